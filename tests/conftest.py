@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random checkpoints and a private redis-server per test session."""
+
+import os
+
+# The Triton interpreter must be chosen before any @triton.jit function is defined, and only
+# where there is no GPU to run the kernels for real.
+if not os.environ.get("STREAMER_TEST_CUDA"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path
+
+import pytest
+
+from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
+from workers.redis_server import RedisServer
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny Llama with GQA (4 query heads, 2 KV heads)."""
+    return build_checkpoint(tmp_path_factory.mktemp("llama"), TinyModelSpec(arch="llama"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def qwen2_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny Qwen2: QKV bias and tied embeddings."""
+    spec = TinyModelSpec(arch="qwen2", tie_word_embeddings=True, num_key_value_heads=1)
+    return build_checkpoint(tmp_path_factory.mktemp("qwen2"), spec, seed=2)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> RedisServer:
+    """A real redis-server on a free port, for the whole test session."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """The shared server, flushed before each test so tests don't see each other's keys."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    return redis_server.url

@@ -1,0 +1,94 @@
+"""Start and stop a private redis-server on a free port (used by `streamer up` and the tests)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class RedisNotFound(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(64).startswith(b"+PONG"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"redis-server on port {port} did not answer within {timeout}s")
+
+
+@dataclass
+class RedisServer:
+    """A redis-server child process. `appendonly` keeps data across `restart()` (AOF on disk)."""
+
+    port: int = 0
+    appendonly: bool = False
+    password: str | None = None
+    dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="streamer-redis-")))
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RedisNotFound(
+                "redis-server not found: install it (Debian/Ubuntu: `apt-get install redis-server`, "
+                "macOS: `brew install redis`) or pass --redis URL of a running server"
+            )
+        self.port = self.port or free_port()
+        args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--dir", str(self.dir), "--appendonly", "yes" if self.appendonly else "no",
+                "--appendfsync", "always" if self.appendonly else "no"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            _wait_ready(self.port, timeout) if not self.password else time.sleep(0.3)
+        except TimeoutError:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self, down_for: float = 0.0) -> None:
+        """Stop and start again on the same port; with AOF on, the data survives."""
+        self.stop()
+        time.sleep(down_for)
+        self.start()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
