@@ -1,0 +1,67 @@
+"""The attention-backend interface: how a model layer reads and writes the paged KV cache."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's flat batch, shared by all layers.
+
+    Sequences are ordered decodes first (`query_len == 1`), then prefills/extends. Token rows of
+    sequence b are `query_start_loc[b]:query_start_loc[b+1]`; its context after this step is
+    `seq_lens[b]` tokens, the new ones last.
+    """
+
+    num_decodes: int
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    max_decode_seq_len: int
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes
+
+
+class AttentionBackend(ABC):
+    """Stateless kernels over per-layer caches `[num_blocks, block_size, num_kv_heads, head_size]`."""
+
+    name: str = ""
+
+    @abstractmethod
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Store this step's `key`/`value` `[T, kv_heads, head_size]` at `meta.slot_mapping`."""
+
+    @abstractmethod
+    def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention of `query` `[T, heads, head_size]` over the cache (after `write_kv`)."""
+
+    @abstractmethod
+    def copy_blocks(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
+                    block_mapping: torch.Tensor) -> None:
+        """Copy whole blocks `(src, dst)` rows of `block_mapping` `[N, 2]` in every layer."""
+
+    # Elementwise ops the model calls; the torch backend uses the references in kernels/.
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        ...
+
+    @abstractmethod
+    def rotary(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+               cos_sin_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ...
+
+    @abstractmethod
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        ...

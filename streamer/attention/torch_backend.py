@@ -1,0 +1,51 @@
+"""The plain-torch backend: the references in kernels/, used on CPU and as ground truth."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.activation import silu_and_mul_ref
+from kernels.cache_ops import copy_blocks_ref, reshape_and_cache_ref
+from kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref
+from kernels.rms_norm import rms_norm_ref
+from kernels.rotary import rotary_embedding_ref
+from streamer.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        reshape_and_cache_ref(key, value, key_cache, value_cache, meta.slot_mapping)
+
+    def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        nd = meta.num_decodes
+        num_seqs = meta.seq_lens.shape[0]
+        if nd == num_seqs:
+            return paged_decode_attention_ref(query, key_cache, value_cache, meta.block_tables,
+                                              meta.seq_lens, scale, meta.max_decode_seq_len)
+        out = torch.empty_like(query)
+        if nd:
+            out[:nd] = paged_decode_attention_ref(query[:nd], key_cache, value_cache,
+                                                  meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+                                                  meta.max_decode_seq_len)
+        out[nd:] = paged_prefill_attention_ref(query[nd:], key_cache, value_cache, meta.block_tables[nd:],
+                                               meta.query_start_loc[nd:] - nd, meta.seq_lens[nd:], scale)
+        return out
+
+    def copy_blocks(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
+                    block_mapping: torch.Tensor) -> None:
+        copy_blocks_ref(key_caches, value_caches, block_mapping)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm_ref(x, weight, eps, residual)
+
+    def rotary(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+               cos_sin_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_embedding_ref(positions, query, key, cos_sin_cache, head_size)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul_ref(x)
