@@ -61,6 +61,15 @@ def _version() -> str:
         return "unknown"
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except the empty ones ("default: None" says nothing)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, [], "") or "%(default)" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def top_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streamer",
@@ -89,7 +98,7 @@ def command_parser(name: str) -> argparse.ArgumentParser:
     """The full parser of one command, with environment defaults applied."""
     module = load_command(name)
     parser = argparse.ArgumentParser(prog=f"streamer {name}", description=COMMANDS[name].summary,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=_HelpFormatter)
     module.add_arguments(parser)
     if name in _DEFAULT_MODEL_COMMANDS:
         _default_model_option(parser)

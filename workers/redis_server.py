@@ -10,8 +10,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from workers.errors import UserError
 
-class RedisNotFound(RuntimeError):
+
+class RedisNotFound(UserError, RuntimeError):
     pass
 
 
@@ -44,6 +46,9 @@ class RedisServer:
     password: str | None = None
     dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="streamer-redis-")))
     proc: subprocess.Popen | None = None
+    # In its own session the server does not get the terminal's Ctrl-C, so its owner (`streamer
+    # up`) can stop it last, after the processes that use it.
+    new_session: bool = False
 
     @property
     def url(self) -> str:
@@ -63,7 +68,8 @@ class RedisServer:
                 "--appendfsync", "always" if self.appendonly else "no"]
         if self.password:
             args += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=self.new_session)
         try:
             _wait_ready(self.port, timeout) if not self.password else time.sleep(0.3)
         except TimeoutError:
@@ -80,6 +86,10 @@ class RedisServer:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+
+    def remove_data(self) -> None:
+        """Delete the data directory (call after stop())."""
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def restart(self, down_for: float = 0.0) -> None:
         """Stop and start again on the same port; with AOF on, the data survives."""

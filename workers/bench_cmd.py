@@ -1,0 +1,48 @@
+"""`streamer bench NAME [ARGS...]`: run bench/NAME.py from the source checkout.
+
+The benchmarks are scripts, not part of the installed package; everything after NAME is passed
+to the script unchanged (`streamer bench throughput --help` shows the script's own options).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from workers.errors import UserError
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+
+
+def scripts(bench_dir: Path = BENCH_DIR) -> dict[str, Path]:
+    """Benchmark name -> script (every bench/*.py that is not a helper module)."""
+    if not bench_dir.is_dir():
+        return {}
+    return {p.stem: p for p in sorted(bench_dir.glob("*.py")) if not p.name.startswith("_")}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    found = ", ".join(scripts()) or "none found"
+    parser.add_argument("name", nargs="?", help=f"benchmark to run ({found}); omit to list them")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER,
+                        help="arguments passed to the benchmark script unchanged")
+
+
+def run(args: argparse.Namespace) -> int:
+    available = scripts()
+    if not args.name:
+        if not available:
+            print(f"no benchmarks found in {BENCH_DIR}")
+        for name, path in available.items():
+            print(f"{name:20s} {path}")
+        return 0
+    if not BENCH_DIR.is_dir():
+        raise UserError("benchmarks run from a source checkout (bench/ is not installed): clone the "
+                        "repository and run `pip install -e .` there")
+    script = available.get(args.name)
+    if script is None:
+        raise UserError(f"no benchmark named {args.name!r}: choose one of {', '.join(available) or '(none)'}")
+    # A child process keeps the script's own argv, exit status and Ctrl-C behaviour intact.
+    return subprocess.call([sys.executable, str(script), *args.script_args], cwd=BENCH_DIR.parent)

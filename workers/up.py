@@ -1,0 +1,284 @@
+"""`streamer up`: everything on one machine, no Docker.
+
+Phases, each timed: Redis (a private redis-server on a free port, unless --redis URL), the model
+(the built-in SmolLM2 is converted on first run), one worker on the best device, the gateway.
+Then it prints the chat page URL and waits. Ctrl-C (or SIGTERM/SIGHUP) stops the gateway, then
+the worker, then Redis, and exits.
+
+Worker and gateway are child processes started in their own sessions: the terminal's Ctrl-C
+reaches only this process, which stops them in order (the gateway before the Redis it talks to).
+Any other STREAMER_* variable in the environment reaches them too, e.g.
+`STREAMER_MAX_MODEL_LEN=2048 streamer up`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from workers.errors import PortInUse, RedisUnavailable, UserError, redact_url, redis_hint
+
+STOP_TIMEOUT_S = 15.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="Hugging Face checkpoint directory (Llama 2/3, Mistral, Qwen2); default: "
+                             "the built-in SmolLM2-135M-Instruct, prepared on first run")
+    parser.add_argument("--redis", default=None,
+                        help="URL of a running Redis to use; default: start a private redis-server "
+                             "on a free port")
+    parser.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
+    parser.add_argument("--port", type=int, default=8000, help="gateway port (0: any free port)")
+    parser.add_argument("--device", default="auto", help="device for the worker: auto (CUDA if "
+                                                         "available, else CPU), cuda, cpu")
+    parser.add_argument("--startup-timeout", type=float, default=900.0,
+                        help="seconds to wait for the worker to load the model")
+
+
+# --- child processes --------------------------------------------------------------------------
+
+@dataclass
+class Child:
+    """A `streamer` subcommand running as a child process in its own session."""
+
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> Child:
+        cmd = [sys.executable, "-m", "workers.cli", *self.argv]
+        self.proc = subprocess.Popen(cmd, start_new_session=True)
+        return self
+
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM (the worker finishes in-flight work within its grace period), then SIGKILL."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            print(f"  {self.name} did not stop within {timeout:.0f}s: killing it", flush=True)
+            self.proc.kill()
+            self.proc.wait()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@dataclass
+class Phases:
+    """Startup time per phase, printed as each one ends."""
+
+    times: dict[str, float] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def phase(self, name: str, what: str) -> Iterator[None]:
+        print(f"[{len(self.times) + 1}/4] {what}", flush=True)
+        start = time.monotonic()
+        yield
+        self.times[name] = time.monotonic() - start
+        print(f"      {name} ready in {self.times[name]:.1f}s", flush=True)
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{k} {v:.1f}s" for k, v in self.times.items())
+        return f"{sum(self.times.values()):.1f}s ({parts})"
+
+
+class _Stop(Exception):
+    """SIGTERM/SIGHUP: stop like Ctrl-C."""
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+# --- checks -----------------------------------------------------------------------------------
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        # The gateway's server sets SO_REUSEADDR too, so a port in TIME_WAIT counts as free.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUse(f"port {port} is already in use on {host}: stop the program using it "
+                                "or pick another with --port N (or STREAMER_PORT)") from exc
+            raise UserError(f"cannot listen on {host}:{port} ({exc.strerror}): check --host") from exc
+
+
+def best_device(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _redis_client(url: str):
+    import redis
+
+    return redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=5)
+
+
+def check_redis(url: str) -> None:
+    import redis
+
+    client = _redis_client(url)
+    try:
+        client.ping()
+    except redis.exceptions.AuthenticationError as exc:
+        raise RedisUnavailable(f"Redis at {redact_url(url)} refused the credentials: put the "
+                               "password in the URL (redis://:PASSWORD@HOST:PORT/0)") from exc
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+        raise RedisUnavailable(redis_hint(url)) from exc
+    finally:
+        client.close()
+
+
+def worker_keys(url: str) -> set[bytes]:
+    """Heartbeat keys of the workers alive on this Redis (each worker refreshes its own)."""
+    from workers.protocol import Names
+
+    client = _redis_client(url)
+    try:
+        return set(client.scan_iter(match=Names().worker("*"), count=1000))
+    finally:
+        client.close()
+
+
+def wait_until(ready: Callable[[], bool], children: list[Child], timeout: float, what: str,
+               tick_s: float = 10.0) -> None:
+    """Poll `ready` until it holds; fail if a child exits or the timeout passes."""
+    start = last_tick = time.monotonic()
+    while not ready():
+        for child in children:
+            code = child.exited()
+            if code is not None:
+                raise UserError(f"the {child.name} exited with status {code} while {what} "
+                                "(its messages are above)")
+        now = time.monotonic()
+        if now - start > timeout:
+            raise UserError(f"gave up after {timeout:.0f}s {what}: raise --startup-timeout if the "
+                            "machine is just slow")
+        if now - last_tick >= tick_s:
+            print(f"      ... still {what} ({now - start:.0f}s)", flush=True)
+            last_tick = now
+        time.sleep(0.2)
+
+
+def http_status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (OSError, ValueError):
+        return None
+
+
+# --- run --------------------------------------------------------------------------------------
+
+def run(args: argparse.Namespace) -> int:
+    from workers.redis_server import RedisServer, free_port
+
+    port = args.port or free_port()
+    check_port_free(args.host, port)
+    local_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    page_url = f"http://{local_host}:{port}/"
+    phases = Phases()
+    redis_server: RedisServer | None = None
+    children: list[Child] = []
+    old_handlers = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        with phases.phase("redis", "Redis" + (f" at {redact_url(args.redis)}" if args.redis else
+                                              ": starting a private redis-server")):
+            if args.redis:
+                redis_url = args.redis
+                check_redis(redis_url)
+            else:
+                redis_server = RedisServer(new_session=True).start()
+                redis_url = redis_server.url
+                print(f"      {redis_url}", flush=True)
+
+        with phases.phase("model", "Model: " + (args.model or "built-in SmolLM2-135M-Instruct")):
+            from workers.default_model import resolve_model
+
+            model = str(resolve_model(args.model, progress=lambda m: print("      " + m.strip(),
+                                                                            flush=True)))
+
+        device = best_device(args.device)
+        with phases.phase("worker", f"Worker: loading the model on {device}"):
+            before = worker_keys(redis_url)
+            worker = Child("worker", ["worker", "--model", model, "--redis", redis_url,
+                                      "--device", device]).start()
+            children.append(worker)
+            wait_until(lambda: bool(worker_keys(redis_url) - before), children,
+                       args.startup_timeout, "loading the model")
+
+        with phases.phase("gateway", f"Gateway on {args.host}:{port}"):
+            gateway = Child("gateway", ["gateway", "--host", args.host, "--port", str(port),
+                                        "--redis", redis_url]).start()
+            children.append(gateway)
+            wait_until(lambda: http_status(f"http://{local_host}:{port}/healthz") == 200, children,
+                       60.0, "starting the gateway")
+
+        print(f"\nstreamer is up in {phases.summary()}\n"
+              f"  chat page:  {page_url}\n"
+              f"  WebSocket:  ws://{local_host}:{port}/ws\n"
+              f"  Redis:      {redact_url(redis_url)}\n"
+              f"  model:      {model} on {device}\n"
+              "Press Ctrl-C to stop.", flush=True)
+        while True:
+            for child in children:
+                code = child.exited()
+                if code is not None:
+                    print(f"the {child.name} exited with status {code}: stopping", flush=True)
+                    return 1
+            time.sleep(0.5)
+    except (KeyboardInterrupt, _Stop):
+        print("\nstopping ...", flush=True)
+        return 0
+    finally:
+        _shutdown(children, redis_server)
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
+
+
+def _shutdown(children: list[Child], redis_server) -> None:
+    """Gateway first (no new jobs), then the worker, then Redis; a second Ctrl-C kills at once."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        for child in reversed(children):
+            child.stop()
+    except KeyboardInterrupt:
+        print("killing ...", flush=True)
+    # From here on nothing may interrupt the cleanup (it is quick): no orphan process or port.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        for child in children:
+            child.kill()
+        if redis_server is not None:
+            redis_server.stop()
+            redis_server.remove_data()
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    print("stopped", flush=True)
