@@ -1,0 +1,198 @@
+"""Python client for the Redis protocol (docs/protocol.md): submit, stream, generate, cancel.
+
+`AsyncClient` is the implementation; `Client` is its blocking twin for scripts and notebooks
+(it drives an AsyncClient on a private event-loop thread, so both behave the same).
+
+Events are read from the request's event stream with XREAD, which makes `stream()` gapless and
+resumable by construction: after a dropped connection it continues after the last seq it yielded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.asyncio import Redis
+
+from workers.backoff import TRANSIENT, Backoff
+from workers.protocol import Names, decode_event, encode_job, event_stream_id
+
+log = logging.getLogger("streamer.client")
+
+
+class RequestFailed(RuntimeError):
+    """The worker answered the request with an `error` event."""
+
+    def __init__(self, request_id: str, code: str, message: str) -> None:
+        super().__init__(f"request {request_id} failed: {code}: {message}")
+        self.request_id, self.code, self.message = request_id, code, message
+
+
+@dataclass
+class Generation:
+    """The whole answer to a request, folded from its events."""
+
+    id: str
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    texts: dict[int, str] = field(default_factory=dict)
+    finish_reason: str | None = None
+    finish_reasons: list[str] = field(default_factory=list)
+    usage: dict[str, int] = field(default_factory=dict)
+    events: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.texts.get(0, "")
+
+    def add(self, event: dict[str, Any]) -> None:
+        self.events += 1
+        if event["type"] == "error":
+            raise RequestFailed(self.id, event.get("code", "error"), event.get("message", ""))
+        k = int(event.get("index", 0))
+        self.token_ids.setdefault(k, []).extend(event.get("token_ids", []))
+        self.texts[k] = self.texts.get(k, "") + event.get("text", "")
+        if event["type"] == "done":
+            self.finish_reason = event.get("finish_reason")
+            self.finish_reasons = list(event.get("finish_reasons", [self.finish_reason]))
+            self.usage = dict(event.get("usage", {}))
+
+
+def build_job(request_id: str, prompt: str | None, messages: list[dict[str, str]] | None,
+              prompt_token_ids: list[int] | None, params: dict[str, Any] | None,
+              priority: int | None, deadline: int | None) -> dict[str, Any]:
+    job: dict[str, Any] = {"id": request_id, "params": dict(params or {})}
+    given = {"prompt": prompt, "messages": messages, "prompt_token_ids": prompt_token_ids}
+    given = {k: v for k, v in given.items() if v is not None}
+    if len(given) != 1:
+        raise ValueError("give exactly one of prompt, messages, prompt_token_ids")
+    job.update(given)
+    if priority is not None:
+        job["priority"] = priority
+    if deadline is not None:
+        job["deadline"] = deadline
+    return job
+
+
+class AsyncClient:
+    def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "llm", encoding: str = "json",
+                 names: Names | None = None) -> None:
+        if encoding not in ("json", "msgpack"):
+            raise ValueError("encoding must be json or msgpack")
+        self.url, self.encoding = url, encoding
+        self.names = names or Names(prefix=prefix)
+        self.redis = Redis.from_url(url, socket_connect_timeout=3)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+
+    async def submit(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
+                     prompt_token_ids: list[int] | None = None, params: dict[str, Any] | None = None,
+                     id: str | None = None, priority: int | None = None, deadline: int | None = None) -> str:
+        """Push a job; returns its id (a fresh UUID unless given)."""
+        request_id = id or uuid.uuid4().hex
+        job = build_job(request_id, prompt, messages, prompt_token_ids, params, priority, deadline)
+        await self.redis.xadd(self.names.requests, encode_job(job, self.encoding))
+        return request_id
+
+    async def stream(self, request_id: str, after_seq: int = -1,
+                     timeout: float | None = 300.0) -> AsyncIterator[dict[str, Any]]:
+        """The request's events with seq > after_seq, in order, until `done` or `error`.
+        `timeout`: longest wait for the next event (TimeoutError), None for no limit."""
+        key = self.names.events(request_id)
+        last = after_seq
+        backoff = Backoff(f"stream {request_id}", log)
+        waited_since = time.monotonic()
+        while True:
+            block_ms = 1000 if timeout is None else max(1, min(1000, int(timeout * 1000)))
+            try:
+                reply = await self.redis.xread({key: event_stream_id(last)}, block=block_ms, count=256)
+                backoff.reset()
+            except TRANSIENT as e:  # Redis dropped: reconnect and continue after `last`
+                await backoff.sleep(e)
+                continue
+            if not reply:
+                if timeout is not None and time.monotonic() - waited_since > timeout:
+                    raise TimeoutError(f"no event for request {request_id} in {timeout}s")
+                continue
+            waited_since = time.monotonic()
+            for _key, entries in reply:
+                for _id, fields in entries:
+                    event = decode_event(fields)
+                    last = int(event["seq"])
+                    yield event
+                    if event["type"] in ("done", "error"):
+                        return
+
+    async def generate(self, prompt: str | None = None, *, timeout: float | None = 300.0,
+                       **kwargs: Any) -> Generation:
+        """Submit and wait for the whole answer; RequestFailed on an error event."""
+        request_id = await self.submit(prompt, **kwargs)
+        result = Generation(request_id)
+        async for event in self.stream(request_id, timeout=timeout):
+            result.add(event)
+        return result
+
+    async def cancel(self, request_id: str) -> None:
+        """Abort a request wherever it is: running (its worker listens) or still queued (the marker)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.names.cancelled(request_id), 1, ex=3600)
+            pipe.publish(self.names.cancel, request_id)
+            await pipe.execute()
+
+
+class Client:
+    """Blocking version of AsyncClient, same methods."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from anyio.from_thread import start_blocking_portal
+
+        self._portal_cm = start_blocking_portal("asyncio")
+        self._portal = self._portal_cm.__enter__()
+        self._client: AsyncClient = self._portal.call(lambda: _make(*args, **kwargs))
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._portal_cm is not None:
+            self._portal.call(self._client.aclose)
+            self._portal_cm.__exit__(None, None, None)
+            self._portal_cm = None
+
+    def submit(self, prompt: str | None = None, **kwargs: Any) -> str:
+        return self._portal.call(lambda: self._client.submit(prompt, **kwargs))
+
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> Generation:
+        return self._portal.call(lambda: self._client.generate(prompt, **kwargs))
+
+    def cancel(self, request_id: str) -> None:
+        self._portal.call(self._client.cancel, request_id)
+
+    def stream(self, request_id: str, after_seq: int = -1, timeout: float | None = 300.0
+               ) -> Iterator[dict[str, Any]]:
+        agen = self._client.stream(request_id, after_seq, timeout)
+        try:
+            while True:
+                try:
+                    yield self._portal.call(agen.__anext__)
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._portal.call(agen.aclose)
+
+
+async def _make(*args: Any, **kwargs: Any) -> AsyncClient:
+    return AsyncClient(*args, **kwargs)  # created on the portal's loop, where it is used

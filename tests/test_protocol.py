@@ -1,0 +1,118 @@
+"""Wire format (workers/protocol.py): decoding of untrusted jobs, event ids, resume folding."""
+
+import json
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from workers.protocol import (
+    Limits,
+    ProtocolError,
+    decode_event,
+    decode_job,
+    encode,
+    encode_job,
+    event_stream_id,
+    seq_of_stream_id,
+    token_event,
+)
+from workers.resume import resume_state
+
+
+def job_fields(obj, encoding="json"):
+    return {encoding.encode(): encode(obj, encoding)}
+
+
+@pytest.mark.parametrize("encoding", ["json", "msgpack"])
+def test_valid_job_roundtrip(encoding):
+    fields = encode_job({"id": "a1", "prompt": "Hello", "params": {"max_tokens": 4}, "priority": 2,
+                         "deadline": 123}, encoding)
+    job = decode_job({k.encode(): v for k, v in fields.items()})
+    assert (job.id, job.encoding, job.prompt, job.params, job.priority, job.deadline) == \
+        ("a1", encoding, "Hello", {"max_tokens": 4}, 2, 123)
+
+
+def test_redis_cli_text_is_accepted():
+    # What `redis-cli XADD llm:requests '*' json '{...}'` stores: a str field, a str payload.
+    job = decode_job({"json": '{"v":1,"id":"a1","prompt":"Hello","params":{"max_tokens":16}}'})
+    assert job.prompt == "Hello" and job.params == {"max_tokens": 16}
+
+
+@pytest.mark.parametrize("obj, code, has_id", [
+    ({"v": 1, "id": "x", "prompt": "hi", "extra": 1}, "invalid_request", True),  # unknown field
+    ({"v": 2, "id": "x", "prompt": "hi"}, "unsupported_version", True),
+    ({"v": 1, "id": "x"}, "invalid_request", True),  # no prompt
+    ({"v": 1, "id": "x", "prompt": "hi", "messages": []}, "invalid_request", True),  # two prompts
+    ({"v": 1, "id": "x", "prompt": 5}, "invalid_request", True),
+    ({"v": 1, "id": "x", "prompt_token_ids": [1, -2]}, "invalid_request", True),
+    ({"v": 1, "id": "x", "prompt_token_ids": [1, True]}, "invalid_request", True),
+    ({"v": 1, "id": "x", "messages": [{"role": "user"}]}, "invalid_request", True),
+    ({"v": 1, "id": "x", "prompt": "hi", "params": [1]}, "invalid_params", True),
+    ({"v": 1, "id": "x", "prompt": "hi", "priority": "high"}, "invalid_request", True),
+    ({"v": 1, "id": "x", "prompt": "hi", "deadline": -1}, "invalid_request", True),
+    ({"v": 1, "id": "bad id with spaces", "prompt": "hi"}, "invalid_request", False),
+    ({"v": 1, "id": 7, "prompt": "hi"}, "invalid_request", False),
+    ([1, 2, 3], "invalid_request", False),
+])
+def test_invalid_jobs(obj, code, has_id):
+    with pytest.raises(ProtocolError) as info:
+        decode_job(job_fields(obj))
+    assert info.value.code == code
+    assert (info.value.request_id == "x") is has_id
+
+
+@pytest.mark.parametrize("fields, code", [
+    ({b"json": b"\xff\xfe not json"}, "bad_encoding"),
+    ({b"msgpack": b"\xc1"}, "bad_encoding"),
+    ({b"msgpack": b"\x81\xa1a\x01trailing"}, "bad_encoding"),
+    ({b"xml": b"<a/>"}, "bad_encoding"),
+    ({b"json": b"{}", b"msgpack": b"\x80"}, "bad_encoding"),
+    ({b"json": b"[" * 100_000 + b"]" * 100_000}, "bad_encoding"),  # deep JSON
+    ({b"msgpack": b"\x91" * 100_000 + b"\xc0"}, "bad_encoding"),  # deep msgpack
+    ({b"msgpack": b"\xdf\xff\xff\xff\xff"}, "bad_encoding"),  # a map claiming 4G entries
+    ({b"json": b'{"v":1,"id":"x","prompt":"' + b"a" * (1 << 20) + b'"}'}, "too_large"),
+])
+def test_undecodable(fields, code):
+    with pytest.raises(ProtocolError) as info:
+        decode_job(fields)
+    assert info.value.code == code and info.value.request_id is None
+
+
+def test_nesting_within_size_limit_rejected():
+    obj = {"v": 1, "id": "x", "prompt": "p", "params": {"stop": [[[[[["deep"]]]]]]}}
+    with pytest.raises(ProtocolError) as info:
+        decode_job(job_fields(obj, "msgpack"), Limits())
+    assert info.value.code == "bad_encoding"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200), st.sampled_from(["json", "msgpack"]))
+def test_random_bytes_never_crash(data, encoding):
+    try:
+        decode_job({encoding: data})
+    except ProtocolError as e:
+        assert e.code in ("bad_encoding", "invalid_request", "unsupported_version", "invalid_params")
+
+
+def test_event_ids_encode_seq():
+    assert [event_stream_id(s) for s in (0, 1, 41)] == ["0-1", "0-2", "0-42"]
+    assert seq_of_stream_id(b"0-42") == 41
+
+
+def test_resume_state_folds_tokens_per_sample():
+    def entry(event):
+        return event_stream_id(event["seq"]).encode(), {b"msgpack": msgpack.packb(event)}
+
+    events = [token_event("r", 0, 0, [5, 6], "ab"), token_event("r", 1, 1, [7], "c"),
+              token_event("r", 2, 0, [8], "d")]
+    state = resume_state([entry(e) for e in events])
+    assert state.next_seq == 3 and not state.finished
+    assert state.resume_token_ids(2) == [[5, 6, 8], [7]]
+    assert resume_state([]).resume_token_ids(1) is None
+
+
+def test_decode_event_json():
+    event = token_event("r", 0, 0, [1], "é")
+    assert decode_event({b"json": json.dumps(event).encode()}) == event

@@ -1,0 +1,276 @@
+"""The Redis wire contract (docs/protocol.md, version 1): key names, job decoding, event encoding.
+
+Pure Python (no torch, no Redis I/O) so that the client, the worker and the gateway share one
+definition of the format. Sampling parameters are only checked for shape here; the worker checks
+them against the engine's `SamplingParams` (workers/params.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+VERSION = 1
+ENCODINGS = ("json", "msgpack")
+EVENT_TYPES = ("token", "done", "error")
+JOB_FIELDS = frozenset(
+    {"v", "id", "prompt", "prompt_token_ids", "messages", "params", "priority", "deadline"}
+)
+PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
+# Ids become part of Redis key names and log lines: keep them printable and short.
+ID_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+
+
+class ProtocolError(ValueError):
+    """A job that cannot be served. `code` is the machine-readable error code of the `error` event;
+    `request_id` is set when the id could be read (the caller then gets an event, not only a dead letter)."""
+
+    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+@dataclass(frozen=True)
+class Names:
+    """Every Redis name the protocol uses. Defaults derive from `prefix`; each can be overridden."""
+
+    prefix: str = "llm"
+    requests: str = ""
+    group: str = ""
+    cancel: str = ""
+    dead: str = ""
+
+    def __post_init__(self) -> None:
+        for name, suffix in (("requests", "requests"), ("group", "workers"), ("cancel", "cancel"),
+                             ("dead", "dead")):
+            if not getattr(self, name):
+                object.__setattr__(self, name, f"{self.prefix}:{suffix}")
+
+    def events(self, request_id: str) -> str:
+        """Stream holding every event of one request (replay for late or reconnecting readers)."""
+        return f"{self.prefix}:events:{request_id}"
+
+    def tokens(self, request_id: str) -> str:
+        """Pub/sub channel carrying the same events live."""
+        return f"{self.prefix}:tokens:{request_id}"
+
+    def worker(self, name: str) -> str:
+        return f"{self.prefix}:worker:{name}"
+
+    def job(self, request_id: str) -> str:
+        """Claim on a request id: holds the request-stream entry id that owns it (duplicate ids)."""
+        return f"{self.prefix}:job:{request_id}"
+
+    def cancelled(self, request_id: str) -> str:
+        """Marker set by clients on cancel, so a job cancelled before any worker read it is not run."""
+        return f"{self.prefix}:cancelled:{request_id}"
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_payload_bytes: int = 1 << 20
+    max_depth: int = 6  # job map > messages list > message map > content: 4 is all a valid job needs
+    max_items: int = 1 << 17  # longest list or map accepted anywhere in a job
+    max_messages: int = 1024
+
+
+@dataclass
+class Job:
+    """A decoded, shape-checked request."""
+
+    id: str
+    encoding: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0
+    deadline: int | None = None  # unix ms
+
+
+def event_stream_id(seq: int) -> str:
+    """Events are stored under explicit stream ids `0-(seq+1)`: Redis refuses a second write of the same
+    seq, which makes every write idempotent (retries after a dropped connection, or two workers resuming
+    the same request, can never duplicate an event), and readers resume with `XREAD ... 0-(seq+1)`."""
+    return f"0-{seq + 1}"
+
+
+def seq_of_stream_id(stream_id: str | bytes) -> int:
+    if isinstance(stream_id, bytes):
+        stream_id = stream_id.decode()
+    return int(stream_id.split("-", 1)[1]) - 1
+
+
+def _text(value: Any) -> str | None:
+    if isinstance(value, bytes):
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            return None
+    return value if isinstance(value, str) else None
+
+
+def _depth(obj: Any, limit: int) -> int:
+    """Nesting depth of a decoded payload, stopping as soon as it passes `limit`."""
+    stack = [(obj, 1)]
+    deepest = 0
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+    return deepest
+
+
+def split_fields(fields: dict[Any, Any]) -> tuple[str, bytes]:
+    """The one `json` or `msgpack` field of a request-stream entry -> (encoding, raw payload)."""
+    decoded = {_text(k): v for k, v in fields.items()}
+    present = [k for k in decoded if k in ENCODINGS]
+    if len(present) != 1 or len(decoded) != 1:
+        raise ProtocolError(
+            "bad_encoding",
+            f"an entry needs exactly one field, `json` or `msgpack`; got {sorted(map(str, decoded))}",
+        )
+    raw = decoded[present[0]]
+    return present[0], raw.encode() if isinstance(raw, str) else raw
+
+
+def decode_payload(encoding: str, raw: bytes, limits: Limits = Limits()) -> Any:
+    if len(raw) > limits.max_payload_bytes:
+        raise ProtocolError(
+            "too_large", f"payload is {len(raw)} bytes; the limit is {limits.max_payload_bytes}"
+        )
+    try:
+        if encoding == "json":
+            obj = json.loads(raw.decode("utf-8"))
+        else:
+            n = limits.max_items
+            obj = msgpack.unpackb(raw, raw=False, strict_map_key=False, max_array_len=n, max_map_len=n,
+                                  max_str_len=limits.max_payload_bytes, max_bin_len=limits.max_payload_bytes,
+                                  max_ext_len=0)
+    except RecursionError as e:  # json: too deeply nested to decode at all
+        raise ProtocolError("bad_encoding", "payload is nested too deeply") from e
+    except Exception as e:  # any decoder failure is the client's bad bytes, never the worker's crash
+        kind = type(e).__name__
+        raise ProtocolError("bad_encoding", f"cannot decode {encoding} payload ({kind}: {e})"[:300]) from e
+    if _depth(obj, limits.max_depth) > limits.max_depth:
+        raise ProtocolError("bad_encoding", f"payload is nested deeper than {limits.max_depth} levels")
+    return obj
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
+    """Check a decoded request map against schema version 1."""
+    if not isinstance(obj, dict):
+        raise ProtocolError("invalid_request", f"a request must be a map, not {type(obj).__name__}")
+    raw_id = obj.get("id")
+    request_id = raw_id if isinstance(raw_id, str) and ID_RE.match(raw_id) else None
+
+    def bad(message: str, code: str = "invalid_request") -> ProtocolError:
+        return ProtocolError(code, message, request_id)
+
+    if request_id is None:
+        raise bad("`id` must be a string of 1-128 characters from A-Z a-z 0-9 . _ : @ / + = -")
+    unknown = sorted(str(k) for k in obj if k not in JOB_FIELDS)
+    if unknown:
+        raise bad(f"unknown field(s) {unknown}; allowed: {sorted(JOB_FIELDS)}")
+    if obj.get("v") != VERSION or not _is_int(obj.get("v")):
+        raise bad(f"`v` must be {VERSION} (schema version), got {obj.get('v')!r}", "unsupported_version")
+    given = [k for k in PROMPT_FIELDS if k in obj]
+    if len(given) != 1:
+        raise bad(f"exactly one of {list(PROMPT_FIELDS)} is required, got {given}")
+    job = Job(id=request_id, encoding=encoding)
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str) or not obj["prompt"]:
+            raise bad("`prompt` must be a non-empty string")
+        job.prompt = obj["prompt"]
+    elif "prompt_token_ids" in obj:
+        ids = obj["prompt_token_ids"]
+        if not isinstance(ids, list) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
+            raise bad("`prompt_token_ids` must be a non-empty list of non-negative integers")
+        job.prompt_token_ids = ids
+    else:
+        job.messages = _parse_messages(obj["messages"], limits, bad)
+    params = obj.get("params", {})
+    if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
+        raise bad("`params` must be a map from field name to value", "invalid_params")
+    job.params = params
+    if "priority" in obj:
+        if not _is_int(obj["priority"]) or abs(obj["priority"]) > 2**31:
+            raise bad("`priority` must be an integer")
+        job.priority = obj["priority"]
+    if "deadline" in obj and obj["deadline"] is not None:
+        if not _is_int(obj["deadline"]) or obj["deadline"] < 0:
+            raise bad("`deadline` must be a unix time in milliseconds")
+        job.deadline = obj["deadline"]
+    return job
+
+
+def _parse_messages(messages: Any, limits: Limits, bad: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages or len(messages) > limits.max_messages:
+        raise bad(f"`messages` must be a list of 1-{limits.max_messages} messages")
+    for m in messages:
+        if (not isinstance(m, dict) or set(m) - {"role", "content"} or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)):
+            raise bad('each message must be {"role": string, "content": string}')
+    return messages
+
+
+def decode_job(fields: dict[Any, Any], limits: Limits = Limits()) -> Job:
+    """A request-stream entry's fields -> Job, or ProtocolError (with `request_id` when readable)."""
+    encoding, raw = split_fields(fields)
+    obj = decode_payload(encoding, raw, limits)
+    return parse_job(obj, encoding, limits)
+
+
+def encode(obj: dict[str, Any], encoding: str) -> bytes:
+    if encoding == "json":
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def encode_job(job: dict[str, Any], encoding: str = "json") -> dict[str, bytes]:
+    """Client side: a request map -> the fields of an XADD to the requests stream."""
+    return {encoding: encode({"v": VERSION, **job}, encoding)}
+
+
+def token_event(request_id: str, seq: int, index: int, token_ids: list[int], text: str) -> dict[str, Any]:
+    return {"v": VERSION, "id": request_id, "seq": seq, "type": "token", "index": index,
+            "token_ids": token_ids, "text": text}
+
+
+def done_event(request_id: str, seq: int, finish_reasons: list[str], usage: dict[str, int]) -> dict[str, Any]:
+    return {"v": VERSION, "id": request_id, "seq": seq, "type": "done", "index": 0, "token_ids": [],
+            "text": "", "finish_reason": finish_reasons[0], "finish_reasons": finish_reasons,
+            "usage": usage}
+
+
+def error_event(request_id: str, seq: int, code: str, message: str) -> dict[str, Any]:
+    return {"v": VERSION, "id": request_id, "seq": seq, "type": "error", "index": 0, "token_ids": [],
+            "text": "", "code": code, "message": message}
+
+
+def decode_event(fields: dict[Any, Any]) -> dict[str, Any]:
+    """Client side: the fields of an events-stream entry -> event map."""
+    encoding, raw = split_fields(fields)
+    return decode_payload(encoding, raw, Limits(max_payload_bytes=1 << 62, max_depth=8))
+
+
+def decode_message(data: bytes | str) -> dict[str, Any]:
+    """Client side: a pub/sub message (JSON text or msgpack bytes, whichever the request used)."""
+    raw = data.encode() if isinstance(data, str) else data
+    encoding = "json" if raw[:1] == b"{" else "msgpack"
+    return decode_payload(encoding, raw, Limits(max_payload_bytes=1 << 62, max_depth=8))

@@ -1,0 +1,158 @@
+"""`streamer worker`: serve jobs from the Redis stream with the engine (workers/redis_worker.py).
+
+Every engine option (`EngineConfig` field) is a flag, built from the dataclass so none is missed.
+SIGTERM or Ctrl-C: stop reading, finish in-flight jobs within --grace seconds, then exit; a second
+signal exits at once (what is left is reclaimed by another worker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import types
+import typing
+from typing import Any
+
+from workers.protocol import Limits, Names
+
+# Short aliases for the options people type most.
+_ALIASES = {"tensor_parallel_size": ["--tp"]}
+
+
+def _flag_type(tp: Any) -> tuple[Any, bool]:
+    """(argparse type, is_bool) for a dataclass field annotation such as `int | None`."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
+        tp = args[0]
+    if tp is bool:
+        return None, True
+    return (tp if tp in (int, float) else str), False
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (`--model` required)."""
+    from streamer import EngineConfig
+
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        flags = [f"--{f.name.replace('_', '-')}", *_ALIASES.get(f.name, [])]
+        if f.name == "model":
+            group.add_argument(*flags, required=True, help="model checkpoint directory")
+            continue
+        kind, is_bool = _flag_type(hints[f.name])
+        if is_bool:
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=f"engine option {f.name}")
+        else:
+            group.add_argument(*flags, type=kind, default=f.default, help=f"engine option {f.name}")
+
+
+def engine_config(args: argparse.Namespace) -> Any:
+    from streamer import EngineConfig
+
+    names = [f.name for f in dataclasses.fields(EngineConfig)]
+    return EngineConfig.from_kwargs(**{name: getattr(args, name) for name in names})
+
+
+def add_redis_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by everything that speaks the protocol (worker, generate)."""
+    parser.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL")
+    parser.add_argument("--prefix", default="llm", help="prefix of every Redis name")
+    parser.add_argument("--requests-stream", default="", help="requests stream (default PREFIX:requests)")
+    parser.add_argument("--cancel-channel", default="", help="cancel channel (default PREFIX:cancel)")
+
+
+def names_from_args(args: argparse.Namespace) -> Names:
+    return Names(prefix=args.prefix, requests=args.requests_stream, cancel=args.cancel_channel,
+                 group=getattr(args, "group", ""), dead=getattr(args, "dead_stream", ""))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    add_redis_arguments(parser)
+    w = parser.add_argument_group("worker")
+    w.add_argument("--group", default="", help="consumer group (default PREFIX:workers)")
+    w.add_argument("--dead-stream", default="", help="dead-letter stream (default PREFIX:dead)")
+    w.add_argument("--consumer", default="", help="consumer name, unique per process (default host-pid-rand)")
+    w.add_argument("--events-ttl", type=float, default=3600.0, help="seconds a request's events are kept")
+    w.add_argument("--claim-idle", type=float, default=30.0,
+                   help="seconds after which a job of a silent (dead) worker is taken over")
+    w.add_argument("--max-deliveries", type=int, default=5, help="deliveries before a job is dead-lettered")
+    w.add_argument("--grace", type=float, default=30.0, help="seconds to finish in-flight jobs on SIGTERM")
+    w.add_argument("--max-payload-bytes", type=int, default=Limits.max_payload_bytes,
+                   help="largest accepted job payload")
+    w.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+
+
+def worker_config(args: argparse.Namespace) -> Any:
+    from workers.redis_worker import WorkerConfig
+
+    return WorkerConfig(redis_url=args.redis, names=names_from_args(args),
+                        limits=Limits(max_payload_bytes=args.max_payload_bytes), consumer=args.consumer,
+                        events_ttl_s=args.events_ttl, claim_idle_s=args.claim_idle,
+                        max_deliveries=args.max_deliveries, grace_s=args.grace, model_name=args.model)
+
+
+async def check_redis(url: str) -> None:
+    """Fail fast with a one-line message when Redis is not there at start (later drops are retried)."""
+    from redis.asyncio import Redis
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from workers.errors import RedisUnavailable, redis_hint
+
+    client = Redis.from_url(url, socket_connect_timeout=3)
+    try:
+        await client.ping()
+    except (RedisConnectionError, OSError) as e:
+        raise RedisUnavailable(redis_hint(url)) from e
+    finally:
+        await client.aclose()
+
+
+async def serve(args: argparse.Namespace) -> None:
+    import anyio
+
+    from streamer import AsyncEngine
+    from workers.redis_worker import Worker
+
+    await check_redis(args.redis)
+    async with AsyncEngine(engine_config(args)) as engine:
+        worker = Worker(engine, worker_config(args))
+        async with anyio.create_task_group() as tg:
+
+            async def on_signals() -> None:
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for signum in signals:
+                        if not worker.stopping:
+                            logging.getLogger("streamer.worker").info("%s: finishing in-flight jobs",
+                                                                      signal.Signals(signum).name)
+                            worker.request_stop()
+                        else:  # second signal: leave now, other workers take over
+                            tg.cancel_scope.cancel()
+
+            tg.start_soon(on_signals)
+            await worker.run()
+            tg.cancel_scope.cancel()
+
+
+def run(args: argparse.Namespace) -> int:
+    import anyio
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    anyio.run(serve, args, backend="asyncio")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m workers.worker ...` (same as `streamer worker ...`)."""
+    from workers.cli import main as cli_main
+
+    return cli_main(["worker", *(argv if argv is not None else __import__("sys").argv[1:])])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
