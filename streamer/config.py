@@ -1,0 +1,52 @@
+"""Engine configuration: one plain dataclass holding every `LLM(...)` option."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass
+class EngineConfig:
+    model: str = ""
+    dtype: str | None = None  # float32 | bfloat16 | float16; None = checkpoint's (float32 on CPU)
+    device: str | None = None  # cpu | cuda | cuda:N; None = cuda if available else cpu
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None = size the cache from free memory
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # auto | torch | triton
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    max_model_len: int | None = None  # None = the checkpoint's max_position_embeddings
+    max_waiting_requests: int = 4096
+    max_waiting_tokens: int | None = None  # None = no bound on queued prompt tokens
+    kv_cache_memory_gb: float | None = None  # CPU cache size when num_kv_blocks is None
+    gpu_memory_utilization: float = 0.9
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        return cls(**kwargs)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.block_size in (8, 16, 32, 64, 128), "block_size must be one of 8, 16, 32, 64, 128"),
+            (self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks must be positive"),
+            (self.max_num_seqs > 0, "max_num_seqs must be positive"),
+            (self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive"),
+            (self.tensor_parallel_size > 0, "tensor_parallel_size must be positive"),
+            (self.max_waiting_requests > 0, "max_waiting_requests must be positive"),
+            (self.dtype in (None, "float32", "bfloat16", "float16", "auto"),
+             "dtype must be float32, bfloat16 or float16"),
+            (self.attention_backend in ("auto", "torch", "triton"),
+             "attention_backend must be auto, torch or triton"),
+            (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)

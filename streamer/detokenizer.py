@@ -1,0 +1,53 @@
+"""Incremental detokenization with stop strings.
+
+Text is produced by the tokenizers library's DecodeStream, which buffers tokens until they form
+valid UTF-8, so multi-byte characters split across tokens come out whole. While stop strings
+are set, the last `len(longest stop) - 1` characters are held back so a stop string never leaks
+into the streamed text before it is recognised and trimmed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenizers.decoders import DecodeStream
+
+from streamer.sampling_params import SamplingParams
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        # `tokenizer` is a `tokenizers.Tokenizer` (the fast tokenizer's backend) or None for
+        # token-ids-only use.
+        self.tokenizer = tokenizer
+        self.stream = DecodeStream(ids=prompt_token_ids[-16:], skip_special_tokens=params.skip_special_tokens)
+        self.stop = params.stop
+        self.include_stop = params.include_stop_str_in_output
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+
+    def append(self, token_id: int, check_stop: bool) -> str | None:
+        """Add one token's text; return the stop string it completed, if any (text is trimmed)."""
+        if self.tokenizer is None:
+            return None
+        chunk = self.stream.step(self.tokenizer, token_id)
+        if not chunk:
+            return None
+        search_from = max(0, len(self.text) - self.hold)
+        self.text += chunk
+        if not (check_stop and self.stop):
+            return None
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        if not hits:
+            return None
+        index, stop = min(hits)
+        self.text = self.text[:index + (len(stop) if self.include_stop else 0)]
+        return stop
+
+    def delta(self, finished: bool) -> str:
+        """Text not handed out yet (all of it once finished, else minus the held-back tail)."""
+        end = len(self.text) if finished else max(self.emitted, len(self.text) - self.hold)
+        out = self.text[self.emitted:end]
+        self.emitted = end
+        return out

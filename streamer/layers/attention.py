@@ -1,0 +1,29 @@
+"""The attention layer: writes this step's K/V into its cache and attends through the backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from streamer.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
+                 backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
+        self.scale = scale
+        self.backend = backend
+        # Bound by the model runner once the cache is allocated.
+        self.key_cache = torch.empty(0)
+        self.value_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = q.shape[0]
+        k = k.view(t, self.num_kv_heads, self.head_size)
+        v = v.view(t, self.num_kv_heads, self.head_size)
+        self.backend.write_kv(k, v, self.key_cache, self.value_cache, meta)
+        out = self.backend.forward(q.view(t, self.num_heads, self.head_size), self.key_cache,
+                                   self.value_cache, meta, self.scale)
+        return out.reshape(t, self.num_heads * self.head_size)

@@ -1,0 +1,43 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocab."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from streamer.distributed.parallel_state import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
+from streamer.layers.linear import narrow
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.vocab_size = vocab_size
+        # Pad so every rank has the same slice; padded rows are never looked up or sampled.
+        self.per_rank = -(-vocab_size // self.tp_size)
+        self.vocab_start = self.tp_rank * self.per_rank
+        self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        size = max(0, min(self.per_rank, self.vocab_size - self.vocab_start))
+        param.data[:size].copy_(narrow(loaded, 0, self.vocab_start, size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(out.masked_fill(outside[:, None], 0.0))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """Logits `[N, vocab]`, gathered from all ranks."""
+        logits = all_gather_last_dim(F.linear(hidden, self.weight))
+        return logits[:, : self.vocab_size]

@@ -1,0 +1,75 @@
+"""Reading a local Hugging Face checkpoint directory: config, dtype, limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass
+class ModelConfig:
+    path: Path
+    hf_config: Any
+    dtype: torch.dtype
+    max_model_len: int
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+
+    @classmethod
+    def load(cls, path: str, dtype: str | None, device: torch.device, max_model_len: int | None) -> ModelConfig:
+        from transformers import AutoConfig
+
+        root = Path(path).expanduser()
+        if not (root / "config.json").is_file():
+            raise FileNotFoundError(f"no config.json in {root}: --model must be a local Hugging Face "
+                                    "checkpoint directory")
+        hf = AutoConfig.from_pretrained(str(root))
+        archs = getattr(hf, "architectures", None) or []
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise UnsupportedModelError(
+                f"unsupported architecture {archs or hf.model_type!r}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        limit = int(hf.max_position_embeddings)
+        window = getattr(hf, "sliding_window", None)
+        if window and getattr(hf, "use_sliding_window", True):
+            limit = min(limit, int(window))  # beyond the window we'd diverge from the model
+        if max_model_len is not None:
+            if max_model_len > limit:
+                raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit {limit}")
+            limit = max_model_len
+        heads = hf.num_attention_heads
+        return cls(
+            path=root,
+            hf_config=hf,
+            dtype=_resolve_dtype(dtype, hf, device),
+            max_model_len=limit,
+            num_layers=hf.num_hidden_layers,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_size=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+        )
+
+
+def _resolve_dtype(name: str | None, hf: Any, device: torch.device) -> torch.dtype:
+    if name not in (None, "auto"):
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # half precision is slower than float32 on most CPUs
+    stored = getattr(hf, "torch_dtype", None) or getattr(hf, "dtype", None)
+    stored = str(stored).replace("torch.", "") if stored is not None else "bfloat16"
+    return _DTYPES.get(stored, torch.bfloat16) if stored != "float32" else torch.bfloat16

@@ -1,0 +1,134 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over the paged KV cache.
+
+One implementation serves all three: Qwen2 differs only by biases on the QKV projection and
+(often) tied embeddings, Mistral not at all for contexts within its sliding window.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from streamer.attention.backend import AttentionBackend, AttentionMetadata
+from streamer.distributed.parallel_state import get_tp_size
+from streamer.layers.attention import PagedAttention
+from streamer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from streamer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from streamer.layers.rotary import build_cos_sin_cache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps = eps
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        return self.backend.rms_norm(x, self.weight, self.eps, residual)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: Any, backend: AttentionBackend, qkv_bias: bool) -> None:
+        super().__init__()
+        self.head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_size, cfg.num_attention_heads,
+                                          num_kv_heads, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_size, cfg.hidden_size,
+                                        bias=cfg.model_type != "qwen2" and getattr(cfg, "attention_bias", False))
+        self.q_size = self.qkv_proj.num_heads * self.head_size
+        self.kv_size = self.qkv_proj.num_kv_heads * self.head_size
+        self.backend = backend
+        self.attn = PagedAttention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.head_size,
+                                   self.head_size ** -0.5, backend)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+                cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.backend.rotary(positions, q, k, cos_sin_cache, self.head_size)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: Any, backend: AttentionBackend) -> None:
+        super().__init__()
+        bias = getattr(cfg, "mlp_bias", False)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, backend: AttentionBackend, qkv_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, backend, qkv_bias)
+        self.mlp = LlamaMLP(cfg, backend)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta, cos_sin_cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our parameter fragment, shard id)
+    stacked_params = {
+        ".q_proj.": (".qkv_proj.", "q"),
+        ".k_proj.": (".qkv_proj.", "k"),
+        ".v_proj.": (".qkv_proj.", "v"),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def __init__(self, cfg: Any, backend: AttentionBackend, max_positions: int, device: torch.device) -> None:
+        super().__init__()
+        qkv_bias = cfg.model_type == "qwen2" or getattr(cfg, "attention_bias", False)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, qkv_bias)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.tied = bool(cfg.tie_word_embeddings)
+        self.register_buffer("cos_sin_cache", build_cos_sin_cache(cfg, max_positions, device), persistent=False)
+        self.tp_size = get_tp_size()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta, self.cos_sin_cache)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def checkpoint_name_to_param(self, name: str) -> tuple[str, Any] | None:
+        """Map a checkpoint tensor name to (our parameter name, shard id); None = not ours."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name.startswith("model."):
+            name = name[len("model."):]
+        if name == "lm_head.weight" and self.tied:
+            return None
+        for fragment, (ours, shard_id) in self.stacked_params.items():
+            if fragment in name:
+                return name.replace(fragment, ours), shard_id
+        return name, None

@@ -1,0 +1,25 @@
+"""What the engine hands back to callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # None while running; "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt: str | None = field(default=None, repr=False)

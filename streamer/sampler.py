@@ -1,0 +1,120 @@
+"""Batched sampling: penalties, temperature, min-p, top-k, top-p, per-request seeds, logprobs."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from streamer.request import Sequence
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+
+
+def _derived_seed(seed: int, index: int, position: int) -> int:
+    """A seed per (request seed, sample, output position), so a request resumed elsewhere, or
+    batched differently, draws exactly the same tokens."""
+    digest = hashlib.blake2b(f"{seed}:{index}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: set[int], seed: int) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """`logits` `[N, V]` (any float dtype), one row per sequence that samples this step."""
+        logits = logits.float()
+        raw = logits
+        logits = self._apply_penalties(logits.clone(), seqs)
+        greedy = [s.params.greedy for s in seqs]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, seqs, greedy)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self._logprobs(raw, seqs, token_list))
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        for row, seq in enumerate(seqs):
+            p = seq.params
+            if seq.num_output_tokens < p.min_tokens:
+                stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
+                if stops:
+                    logits[row, stops] = float("-inf")
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
+                vals = logits[row, seen]
+                logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                                vals * p.repetition_penalty)
+            if p.presence_penalty or p.frequency_penalty:
+                out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
+                counts = torch.bincount(out, minlength=logits.shape[1])[: logits.shape[1]].float()
+                logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        return logits
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
+        device = logits.device
+        vocab = logits.shape[1]
+        temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=device)
+        logits = logits / temps[:, None]
+        probs = torch.softmax(logits, dim=-1)
+        min_p = torch.tensor([s.params.min_p for s in seqs], device=device)
+        if bool((min_p > 0).any()):
+            threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        top_k = [s.params.top_k if s.params.top_k > 0 else vocab for s in seqs]
+        top_p = [s.params.top_p for s in seqs]
+        if min(top_k) < vocab or min(top_p) < 1.0:
+            probs = _top_k_top_p(probs, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device))
+        noise = torch.empty_like(probs)
+        for row, seq in enumerate(seqs):
+            if seq.params.seed is None:
+                noise[row].exponential_(generator=self.generator)
+            else:
+                gen = torch.Generator(device=device).manual_seed(
+                    _derived_seed(seq.params.seed, seq.index, seq.num_output_tokens))
+                noise[row].exponential_(generator=gen)
+        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p.
+        sampled = (probs / noise).argmax(dim=-1)
+        greedy_mask = torch.tensor(greedy, device=device)
+        return torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[dict[int, float] | None]:
+        wanted = [s.params.logprobs for s in seqs]
+        if all(k is None for k in wanted):
+            return [None] * len(seqs)
+        logprobs = torch.log_softmax(raw, dim=-1)
+        k_max = max(k for k in wanted if k is not None)
+        top_vals, top_ids = logprobs.topk(max(k_max, 1), dim=-1)
+        chosen = logprobs.gather(1, torch.tensor(tokens, device=raw.device)[:, None])[:, 0].tolist()
+        result: list[dict[int, float] | None] = []
+        for row, k in enumerate(wanted):
+            if k is None:
+                result.append(None)
+                continue
+            entry = dict(zip(top_ids[row, :k].tolist(), top_vals[row, :k].tolist()))
+            entry[tokens[row]] = chosen[row]
+            result.append(entry)
+        return result
+
+
+def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero out tokens outside each row's top-k and outside its top-p nucleus."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[1], device=probs.device)[None, :]
+    keep = ranks < top_k[:, None]
+    sorted_probs = sorted_probs.masked_fill(~keep, 0.0)
+    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
+    # Keep a token if the mass strictly before it is below top_p (the top token always stays).
+    cumulative = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep &= cumulative < top_p[:, None]
+    sorted_probs = sorted_probs.masked_fill(~keep, 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
