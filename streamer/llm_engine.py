@@ -16,7 +16,7 @@ from streamer.outputs import CompletionOutput, RequestOutput
 from streamer.request import Request, Sequence
 from streamer.sampler import Sampler
 from streamer.sampling_params import SamplingParams
-from streamer.scheduler import Scheduler
+from streamer.scheduler import ScheduledSeq, Scheduler
 from streamer.stop_checker import finish_reason_after
 
 
@@ -50,7 +50,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self.counters = {"prompt_tokens_computed": 0, "generation_tokens": 0, "num_steps": 0,
-                         "num_requests_finished": 0, "num_requests_aborted": 0, "max_step_tokens": 0}
+                         "num_requests_finished": 0, "num_requests_aborted": 0, "max_step_tokens": 0,
+                         "num_mixed_steps": 0, "num_partial_prefills": 0}
 
     # ---- requests in -------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int] | dict[str, Any]) -> tuple[list[int], str | None]:
@@ -130,6 +131,7 @@ class LLMEngine:
         sampled, result = self.runner.execute(sched.scheduled)
         self.counters["num_steps"] += 1
         self.counters["max_step_tokens"] = max(self.counters["max_step_tokens"], sched.num_tokens)
+        self._count_step_shape(sched.scheduled)
         for item in sched.scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             self.counters["prompt_tokens_computed"] += max(0, min(start + item.num_new_tokens,
@@ -146,6 +148,13 @@ class LLMEngine:
                 del self.requests[request_id]
                 self.counters["num_requests_finished"] += 1
         return outputs
+
+    def _count_step_shape(self, scheduled: list[ScheduledSeq]) -> None:
+        """Count steps mixing prefill and decode work, and prompt chunks cut short by the budget."""
+        prefill = [s for s in scheduled if s.seq.num_computed_tokens < s.seq.num_prompt_tokens]
+        if prefill and len(prefill) < len(scheduled):
+            self.counters["num_mixed_steps"] += 1
+        self.counters["num_partial_prefills"] += sum(1 for s in prefill if not s.samples)
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
         seq.token_ids.append(token)

@@ -1,0 +1,191 @@
+"""asyncio front of the engine. The step loop runs on its own thread, so the event loop (Redis,
+WebSockets) never waits for the model and the model never waits for I/O. Requests and aborts
+cross over through a command queue; outputs come back through one callback per step."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from streamer.config import EngineConfig
+from streamer.llm_engine import LLMEngine
+from streamer.outputs import RequestOutput
+from streamer.sampling_params import SamplingParams
+
+log = logging.getLogger("streamer.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop failed; the engine cannot serve more requests."""
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | LLMEngine) -> None:
+        self.engine = config if isinstance(config, LLMEngine) else LLMEngine(config)
+        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._pending_adds = 0
+        self._error: BaseException | None = None
+        self._stats: dict[str, Any] = self.engine.stats()
+        self._capacity = self.engine.admission_capacity()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> AsyncEngine:
+        if self._thread is None:
+            self._loop = asyncio.get_running_loop()
+            self._thread = threading.Thread(target=self._run, name="streamer-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    async def __aenter__(self) -> AsyncEngine:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    # ---- requests ----------------------------------------------------------------------------
+    async def generate(self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0,
+                       resume_token_ids: list[list[int]] | None = None) -> AsyncIterator[RequestOutput]:
+        """Deltas of one request; raises ValueError/QueueFullError before the first if rejected.
+        Leaving the loop early (break, cancellation) aborts the request."""
+        if self._error is not None:
+            raise EngineDeadError(f"engine stopped after an error: {self._error}")
+        await self.start()
+        assert self._loop is not None
+        accepted: asyncio.Future[None] = self._loop.create_future()
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._pending_adds += 1
+        self._send(("add", request_id, prompt, params, priority, resume_token_ids, stream, accepted))
+        try:
+            await accepted
+        finally:
+            self._pending_adds -= 1
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort from any thread; its blocks are freed before the next step runs."""
+        self._send(("abort", request_id))
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._stats)
+
+    def admission_capacity(self) -> int:
+        return max(0, self._capacity - self._pending_adds)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.engine.render_chat(messages)
+
+    def _send(self, command: tuple[Any, ...]) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    # ---- the engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_commands()
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    if outputs:
+                        self._deliver(outputs)
+                    self._publish_stats()
+                else:
+                    self._publish_stats()
+                    self._wakeup.wait(0.05)
+                    self._wakeup.clear()
+        except BaseException as exc:  # a bug or an OOM in the model: fail every stream loudly
+            log.exception("engine step failed")
+            self._error = exc
+            self._fail_all(EngineDeadError(f"engine step failed: {exc!r}"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "abort":
+                self.engine.abort_request(command[1])
+                continue
+            _, request_id, prompt, params, priority, resume, stream, accepted = command
+            try:
+                self.engine.add_request(request_id, prompt, params, priority, resume)
+            except Exception as exc:  # rejected: hand the reason to the caller
+                self._call(_settle, accepted, exc)
+                continue
+            self._streams[request_id] = stream
+            self._call(_settle, accepted, None)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        batch = []
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            batch.append((stream, out))
+            if out.finished:
+                del self._streams[out.request_id]
+        if batch:
+            self._call(_put_all, batch)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        batch = [(stream, exc) for stream in self._streams.values()]
+        self._streams.clear()
+        self._call(_put_all, batch)
+
+    def _publish_stats(self) -> None:
+        self._stats = self.engine.stats()
+        self._capacity = self.engine.admission_capacity()
+
+    def _call(self, fn: Any, *args: Any) -> None:
+        assert self._loop is not None
+        # RuntimeError: the event loop is closed, nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(fn, *args)
+
+
+def _settle(future: asyncio.Future[None], exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for stream, item in batch:
+        stream.put_nowait(item)

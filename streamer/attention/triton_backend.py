@@ -1,0 +1,52 @@
+"""The Triton backend: the kernels in kernels/*_triton.py. Selected on CUDA; on CPU it runs only
+under the Triton interpreter (`TRITON_INTERPRET=1`), which the tests use to check it."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.activation_triton import silu_and_mul
+from kernels.cache_ops_triton import copy_blocks, reshape_and_cache
+from kernels.paged_decode_triton import paged_decode_attention
+from kernels.paged_prefill_triton import paged_prefill_attention
+from kernels.rms_norm_triton import rms_norm
+from kernels.rotary_triton import rotary_embedding
+from streamer.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+
+    def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # Decodes and prefills write disjoint row ranges of one output; no copies, no host syncs
+        # (the lengths the grids need come from the metadata's Python ints).
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        nd = meta.num_decodes
+        if nd:
+            paged_decode_attention(query[:nd], key_cache, value_cache, meta.block_tables[:nd],
+                                   meta.seq_lens[:nd], scale, meta.max_decode_seq_len, out=out[:nd])
+        if nd < meta.seq_lens.shape[0]:
+            paged_prefill_attention(query[nd:], key_cache, value_cache, meta.block_tables[nd:],
+                                    meta.query_start_loc[nd:], meta.seq_lens[nd:], scale,
+                                    meta.max_query_len, out=out[nd:])
+        return out
+
+    def copy_blocks(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
+                    block_mapping: torch.Tensor) -> None:
+        copy_blocks(key_caches, value_caches, block_mapping)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(x, weight, eps, residual)
+
+    def rotary(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+               cos_sin_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_embedding(positions, query, key, cos_sin_cache, head_size)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(x)
