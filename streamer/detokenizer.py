@@ -26,14 +26,18 @@ class IncrementalDetokenizer:
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""
         self.emitted = 0
+        self.unflushed: list[int] = []  # tokens DecodeStream holds back (incomplete UTF-8 so far)
+        self.skip_special = params.skip_special_tokens
 
     def append(self, token_id: int, check_stop: bool) -> str | None:
         """Add one token's text; return the stop string it completed, if any (text is trimmed)."""
         if self.tokenizer is None:
             return None
         chunk = self.stream.step(self.tokenizer, token_id)
+        self.unflushed.append(token_id)
         if not chunk:
             return None
+        self.unflushed = []
         search_from = max(0, len(self.text) - self.hold)
         self.text += chunk
         if not (check_stop and self.stop):
@@ -45,8 +49,17 @@ class IncrementalDetokenizer:
         self.text = self.text[:index + (len(stop) if self.include_stop else 0)]
         return stop
 
+    def flush(self) -> None:
+        """At the end, bytes that never became valid UTF-8 come out as U+FFFD, as a full decode
+        of the same tokens would show them."""
+        if self.unflushed and self.tokenizer is not None:
+            self.text += self.tokenizer.decode(self.unflushed, skip_special_tokens=self.skip_special)
+            self.unflushed = []
+
     def delta(self, finished: bool) -> str:
         """Text not handed out yet (all of it once finished, else minus the held-back tail)."""
+        if finished:
+            self.flush()
         end = len(self.text) if finished else max(self.emitted, len(self.text) - self.hold)
         out = self.text[self.emitted:end]
         self.emitted = end
