@@ -25,6 +25,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from streamer import SamplingParams
+from streamer.async_engine import EngineDeadError
 from streamer.errors import QueueFullError
 from workers.backoff import TRANSIENT, Backoff
 from workers.event_writer import EventWriter, Write
@@ -100,6 +101,7 @@ class Worker:
         self._jobs_idle = anyio.Event()
         self._jobs_idle.set()
         self.ready = anyio.Event()
+        self.engine_error: BaseException | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -145,6 +147,8 @@ class Worker:
             with anyio.CancelScope(shield=True), anyio.move_on_after(2):
                 await self._leave()
             await self.redis.aclose()
+        if self.engine_error is not None:
+            raise RuntimeError(f"worker stopped: the engine failed ({self.engine_error})")
 
     async def _leave(self) -> None:
         try:
@@ -261,6 +265,10 @@ class Worker:
             await self._serve(job, entry_id, deliveries, admitted)
         except anyio.get_cancelled_exc_class():
             raise  # shutdown or lost ownership: no answer, another worker resumes it
+        except EngineDeadError as e:  # not the job's fault: leave it unacked for a healthy worker
+            log.error("request %s: engine is dead (%s); stopping this worker", request_id, e)
+            self.engine_error = e
+            self.request_stop()
         except Exception as e:
             log.exception("request %s (entry %s) failed", request_id, entry_id)
             if request_id is not None:

@@ -1,0 +1,100 @@
+"""Helpers for the Redis worker tests: an in-process worker, subprocess workers, event checks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import redis
+
+from streamer import LLM, AsyncEngine, EngineConfig, SamplingParams
+from workers.protocol import Names, decode_event, seq_of_stream_id
+from workers.redis_worker import Worker, WorkerConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+NAMES = Names()
+ENGINE = {"num_kv_blocks": 128, "block_size": 16, "max_num_seqs": 32}
+
+
+def engine_config(ckpt: Path, **overrides: Any) -> EngineConfig:
+    return EngineConfig(model=str(ckpt), **{**ENGINE, **overrides})
+
+
+@asynccontextmanager
+async def running_worker(ckpt: Path, redis_url: str, engine: dict | None = None,
+                         **config: Any) -> AsyncIterator[Worker]:
+    """A worker serving in this process (its own engine) until the block exits."""
+    config.setdefault("heartbeat_s", 0.2)
+    config.setdefault("claim_idle_s", 5.0)
+    config.setdefault("grace_s", 5.0)
+    async with AsyncEngine(engine_config(ckpt, **(engine or {}))) as eng:
+        worker = Worker(eng, WorkerConfig(redis_url=redis_url, model_name=str(ckpt), **config))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(worker.run)
+            with anyio.fail_after(30):
+                await worker.ready.wait()
+            try:
+                yield worker
+            finally:
+                worker.request_stop()
+
+
+def worker_process(ckpt: Path, redis_url: str, *extra: str, log_path: Path | None = None) -> subprocess.Popen:
+    """`streamer worker` as a real child process."""
+    args = [sys.executable, "-m", "workers.cli", "worker", "--model", str(ckpt), "--redis", redis_url,
+            "--num-kv-blocks", str(ENGINE["num_kv_blocks"]), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
+            *extra]
+    out = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115 (closed with the child)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(args, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def offline_tokens(ckpt: Path, prompts: list[Any], params: SamplingParams) -> list[list[int]]:
+    """Sample-0 tokens of each prompt from the offline engine: what Redis must deliver."""
+    llm = LLM(**{"model": str(ckpt), **ENGINE})
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+
+
+def read_events(url: str, request_id: str, names: Names = NAMES) -> list[dict[str, Any]]:
+    """Every stored event of a request, checking that stream ids and seq agree and are contiguous."""
+    client = redis.Redis.from_url(url)
+    try:
+        entries = client.xrange(names.events(request_id))
+    finally:
+        client.close()
+    events = [decode_event(fields) for _, fields in entries]
+    seqs = [seq_of_stream_id(entry_id) for entry_id, _ in entries]
+    assert seqs == list(range(len(entries))), f"{request_id}: stream ids {seqs}"
+    assert [e["seq"] for e in events] == seqs, f"{request_id}: seq {[e['seq'] for e in events]}"
+    return events
+
+
+def tokens_of(events: list[dict[str, Any]], index: int = 0) -> list[int]:
+    return [t for e in events if e["type"] == "token" and e["index"] == index for t in e["token_ids"]]
+
+
+def check_complete(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Exactly one terminal event, and it is last; returns it."""
+    terminal = [e for e in events if e["type"] in ("done", "error")]
+    assert len(terminal) == 1 and events[-1] is terminal[0], [e["type"] for e in events]
+    return terminal[0]
+
+
+def dead_letters(url: str, names: Names = NAMES) -> list[dict[str, Any]]:
+    client = redis.Redis.from_url(url)
+    try:
+        return [{k.decode(): v for k, v in fields.items()} for _, fields in client.xrange(names.dead)]
+    finally:
+        client.close()
+
+
+async def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> None:
+    with anyio.fail_after(timeout):
+        while not predicate():
+            await anyio.sleep(interval)
