@@ -79,10 +79,29 @@ class WorkerConfig:
 
 
 @dataclass
+class Delivery:
+    """One entry handed to this worker, decoded, with its id claimed and its earlier events read."""
+
+    entry_id: str
+    fields: Any
+    deliveries: int
+    job: Job | None = None
+    error: ProtocolError | None = None  # could not be decoded or validated
+    ours: bool = False  # the request id belongs to this entry (not a duplicate)
+    state: ResumeState = field(default_factory=ResumeState)
+    cancelled: bool = False
+
+    @property
+    def request_id(self) -> str | None:
+        return self.job.id if self.job is not None else self.error.request_id if self.error else None
+
+
+@dataclass
 class RunningJob:
     job: Job
     entry_id: str
     next_seq: int
+    fields: Any = None  # the raw entry, kept for dead letters
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
 
 
@@ -204,8 +223,7 @@ class Worker:
                 await backoff.sleep(e)
                 continue
             for _stream, entries in reply or []:
-                for entry_id, fields in entries:
-                    self._start_job(entry_id, fields, deliveries=1)
+                await self._start_batch([(entry_id, fields, 1) for entry_id, fields in entries])
 
     async def _claim_loop(self) -> None:
         """Take over entries whose worker stopped refreshing them (dead), oldest first."""
@@ -236,50 +254,72 @@ class Worker:
             for entry_id, _ in entries:
                 pipe.xpending_range(self.names.requests, self.names.group, entry_id, entry_id, 1)
             pending = await pipe.execute()
+        batch = []
         for (entry_id, fields), info in zip(entries, pending, strict=True):
             deliveries = info[0]["times_delivered"] if info else 1
             log.info("reclaimed job entry %s (delivery %d)", _s(entry_id), deliveries)
-            self._start_job(entry_id, fields, deliveries)
+            batch.append((entry_id, fields, deliveries))
+        await self._start_batch(batch)
 
-    def _start_job(self, entry_id: Any, fields: Any, deliveries: int) -> None:
-        entry_id = _s(entry_id)
-        self._starting += 1
-        self._jobs_idle = anyio.Event() if self._jobs_idle.is_set() else self._jobs_idle
-        self._pending_entries[entry_id] = ""
-        self._jobs.start_soon(self._job_task, entry_id, fields, deliveries, name=f"job {entry_id}")
+    async def _start_batch(self, entries: list[tuple[Any, Any, int]]) -> None:
+        """Decode a batch of entries, claim their ids in entry order (the first of two jobs with the
+        same id wins), read their resume state in one round trip, then start one task per job."""
+        batch = []
+        for entry_id, fields, deliveries in entries:
+            d = Delivery(_s(entry_id), fields, deliveries)
+            try:
+                d.job = decode_job(fields or {}, self.cfg.limits)
+            except ProtocolError as e:
+                d.error = e
+            batch.append(d)
+        with_ids = [d for d in batch if d.request_id is not None]
+        if with_ids:
+            replies = await self._retry("load jobs", self._load_pipeline, with_ids)
+            for i, d in enumerate(with_ids):
+                _, owner, events, cancelled = replies[4 * i: 4 * i + 4]
+                d.ours, d.state, d.cancelled = _s(owner) == d.entry_id, resume_state(events), bool(cancelled)
+        for d in batch:
+            self._starting += 1
+            self._jobs_idle = anyio.Event() if self._jobs_idle.is_set() else self._jobs_idle
+            self._pending_entries[d.entry_id] = d.request_id or ""
+            self._jobs.start_soon(self._job_task, d, name=f"job {d.entry_id}")
+
+    async def _load_pipeline(self, batch: list[Delivery]) -> list[Any]:
+        ttl = int(self.cfg.events_ttl_s * 1000)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for d in batch:
+                request_id = d.request_id or ""
+                pipe.set(self.names.job(request_id), d.entry_id, nx=True, px=ttl)
+                pipe.get(self.names.job(request_id))
+                pipe.xrange(self.names.events(request_id))
+                pipe.exists(self.names.cancelled(request_id))
+            return await pipe.execute()
 
     # ---- one job ---------------------------------------------------------------------------------
 
-    async def _job_task(self, entry_id: str, fields: Any, deliveries: int) -> None:
+    async def _job_task(self, d: Delivery) -> None:
         admitted = [False]
-        request_id = None
         try:
-            try:
-                job = decode_job(fields or {}, self.cfg.limits)
-            except ProtocolError as e:
-                request_id = e.request_id
-                await self._reject(entry_id, fields, e)
-                return
-            request_id = job.id
-            self._pending_entries[entry_id] = job.id
-            await self._serve(job, entry_id, deliveries, admitted)
+            if d.error is not None:
+                await self._reject(d, d.error)
+            else:
+                await self._serve(d, admitted)
         except anyio.get_cancelled_exc_class():
             raise  # shutdown or lost ownership: no answer, another worker resumes it
         except EngineDeadError as e:  # not the job's fault: leave it unacked for a healthy worker
-            log.error("request %s: engine is dead (%s); stopping this worker", request_id, e)
+            log.error("request %s: engine is dead (%s); stopping this worker", d.request_id, e)
             self.engine_error = e
             self.request_stop()
         except Exception as e:
-            log.exception("request %s (entry %s) failed", request_id, entry_id)
-            if request_id is not None:
-                await self._finish_with_error(entry_id, request_id, "internal", f"worker error: {e}"[:300],
-                                              fields)
+            log.exception("request %s (entry %s) failed", d.request_id, d.entry_id)
+            if d.request_id is not None:
+                await self._finish_with_error(d, "internal", f"worker error: {e}")
         finally:
             if not admitted[0]:
                 self._admitted()
-            run = self._running.get(request_id or "")
-            if run is not None and run.entry_id == entry_id:
-                del self._running[request_id]
+            run = self._running.get(d.request_id or "")
+            if run is not None and run.entry_id == d.entry_id:
+                del self._running[run.job.id]
             if not self._running and not self._starting:
                 self._jobs_idle.set()
 
@@ -287,51 +327,33 @@ class Worker:
         self._starting -= 1
         self._capacity.set()
 
-    async def _load(self, job: Job, entry_id: str) -> tuple[bool, ResumeState, bool]:
-        """Claim the request id for this entry and read what earlier runs emitted.
-        Returns (the id is ours, resume state, a cancel is recorded)."""
-        ttl = int(self.cfg.events_ttl_s * 1000)
-        reply = await self._retry("load job", self._load_pipeline, job, entry_id, ttl)
-        _, owner, entries, cancelled = reply
-        return _s(owner) == entry_id, resume_state(entries), bool(cancelled)
-
-    async def _load_pipeline(self, job: Job, entry_id: str, ttl: int) -> list[Any]:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self.names.job(job.id), entry_id, nx=True, px=ttl)
-            pipe.get(self.names.job(job.id))
-            pipe.xrange(self.names.events(job.id))
-            pipe.exists(self.names.cancelled(job.id))
-            return await pipe.execute()
-
-    async def _serve(self, job: Job, entry_id: str, deliveries: int, admitted: list[bool]) -> None:
-        ours, state, cancelled = await self._load(job, entry_id)
-        if not ours:
-            await self._dead_letter(entry_id, None, ProtocolError(
+    async def _serve(self, d: Delivery, admitted: list[bool]) -> None:
+        job, entry_id, state = d.job, d.entry_id, d.state
+        assert job is not None
+        if not d.ours:
+            await self._dead_letter(entry_id, d.fields, ProtocolError(
                 "duplicate_id", f"id {job.id!r} is already used by another request", job.id))
             await self._ack(entry_id)
             return
         if state.finished:  # answered before, only the ack was lost
             await self._ack(entry_id)
             return
-        run = RunningJob(job, entry_id, state.next_seq)
+        run = RunningJob(job, entry_id, state.next_seq, d.fields)
+        deliveries = d.deliveries
         if deliveries > self.cfg.max_deliveries:
-            error = ProtocolError("too_many_deliveries",
-                                  f"job was delivered {deliveries} times without finishing", job.id)
-            await self._dead_letter(entry_id, None, error)
-            self._emit(run, [], error=error)
+            await self._fail(run, "too_many_deliveries",
+                             f"job was delivered {deliveries} times without finishing")
             return
         try:
             params = SamplingParams.from_dict(job.params)
         except (TypeError, ValueError) as e:
-            error = ProtocolError("invalid_params", str(e)[:300], job.id)
-            await self._dead_letter(entry_id, None, error)
-            self._emit(run, [], error=error)
+            await self._fail(run, "invalid_params", str(e))
             return
         resume = state.resume_token_ids(params.n)
         if job.deadline is not None and resume is None and time.time() * 1000 > job.deadline:
             self._emit(run, [], error=ProtocolError("expired", "the deadline passed before the job started"))
             return
-        if cancelled or self._cancelled.pop(job.id, None) is not None:
+        if d.cancelled or self._cancelled.pop(job.id, None) is not None:
             self._emit(run, [done_event(job.id, run.next_seq, ["abort"] * params.n, _usage(0, 0, 0))])
             return
         self._running[job.id] = run
@@ -345,7 +367,11 @@ class Worker:
         if job.prompt_token_ids is not None:
             prompt = {"prompt_token_ids": job.prompt_token_ids}
         elif job.messages is not None:
-            prompt = {"prompt_token_ids": self.engine.render_chat(job.messages)}
+            try:
+                prompt = {"prompt_token_ids": self.engine.render_chat(job.messages)}
+            except ValueError as e:  # e.g. the checkpoint has no chat template
+                await self._fail(run, "invalid_request", str(e))
+                return
         emitted = {k: len(v) for k, v in state.token_ids.items()}
         reasons: dict[int, str] = {}
         backoff_s = 0.05
@@ -359,9 +385,7 @@ class Worker:
                 await anyio.sleep(backoff_s)
                 backoff_s = min(1.0, backoff_s * 2)
             except ValueError as e:  # prompt too long for the model and the like
-                error = ProtocolError("invalid_request", str(e)[:300], job.id)
-                await self._dead_letter(run.entry_id, None, error)
-                self._emit(run, [], error=error)
+                await self._fail(run, "invalid_request", str(e))
                 return
         admitted[0] = True
         self._admitted()
@@ -412,30 +436,30 @@ class Worker:
         self.writer.put(Write(run.job.id, run.job.encoding, events, ack_entry=entry if final else None,
                               on_written=(lambda: self._pending_entries.pop(entry, None)) if final else None))
 
-    async def _reject(self, entry_id: str, fields: Any, error: ProtocolError) -> None:
-        """A job that failed decoding or validation: dead letter, and an error event when it has an id."""
-        log.info("rejected entry %s (request %s): %s %s", entry_id, error.request_id, error.code,
-                 error.message)
-        await self._dead_letter(entry_id, fields, error)
-        if error.request_id is None:
-            await self._ack(entry_id)
-            return
-        job = Job(id=error.request_id, encoding=_encoding_of(fields))
-        ours, state, _ = await self._load(job, entry_id)
-        if not ours or state.finished:  # never write into another request's stream
-            await self._ack(entry_id)
-            return
-        self._emit(RunningJob(job, entry_id, state.next_seq), [], error=error)
-
-    async def _finish_with_error(self, entry_id: str, request_id: str, code: str, message: str,
-                                 fields: Any) -> None:
-        error = ProtocolError(code, message, request_id)
-        run = self._running.get(request_id)
-        if run is None or run.entry_id != entry_id:
-            await self._reject(entry_id, fields, error)
-            return
-        await self._dead_letter(entry_id, fields, error)
+    async def _fail(self, run: RunningJob, code: str, message: str) -> None:
+        """Answer a job we own with an error event and keep it in the dead letters."""
+        error = ProtocolError(code, message[:300], run.job.id)
+        log.info("request %s (entry %s): %s: %s", run.job.id, run.entry_id, code, error.message)
+        await self._dead_letter(run.entry_id, run.fields, error)
         self._emit(run, [], error=error)
+
+    async def _reject(self, d: Delivery, error: ProtocolError) -> None:
+        """A job that failed decoding or validation: dead letter, and an error event when it has an id."""
+        log.info("rejected entry %s (request %s): %s %s", d.entry_id, error.request_id, error.code,
+                 error.message)
+        await self._dead_letter(d.entry_id, d.fields, error)
+        if error.request_id is None or not d.ours or d.state.finished:
+            await self._ack(d.entry_id)  # never write into another request's stream
+            return
+        job = Job(id=error.request_id, encoding=_encoding_of(d.fields))
+        self._emit(RunningJob(job, d.entry_id, d.state.next_seq, d.fields), [], error=error)
+
+    async def _finish_with_error(self, d: Delivery, code: str, message: str) -> None:
+        run = self._running.get(d.request_id or "")
+        if run is None or run.entry_id != d.entry_id:
+            await self._reject(d, ProtocolError(code, message[:300], d.request_id))
+        else:
+            await self._fail(run, code, message)
 
     async def _dead_letter(self, entry_id: str, fields: Any, error: ProtocolError) -> None:
         entry: dict[str, Any] = {"reason": error.code, "message": error.message, "entry": entry_id,
@@ -520,7 +544,7 @@ class Worker:
         lost = await self._refresh_own(keys=[self.names.requests],
                                        args=[self.names.group, self.cfg.consumer, *entries])
         for entry_id in map(_s, lost):
-            request_id = self._pending_entries.get(entry_id)
+            request_id = self._pending_entries.pop(entry_id, None)
             run = self._running.get(request_id or "")
             if run is not None and run.entry_id == entry_id:
                 log.warning("request %s: taken over by another worker, stopping here", request_id)
