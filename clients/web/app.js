@@ -1,0 +1,239 @@
+// The chat page: streams answers through the gateway with streamer-client.js, shows time to first
+// token and tokens/s live, stops on demand, and resumes an unfinished answer after a reload (the
+// conversation and the id of the answer in progress are kept in localStorage).
+
+import { StreamerClient, StreamerError } from "./streamer-client.js";
+
+const STORE = "streamer.chat.v1";
+const $ = (id) => document.getElementById(id);
+const ui = {
+  log: $("log"), empty: $("empty"), status: $("status"), form: $("form"), prompt: $("prompt"),
+  send: $("send"), stop: $("stop"), clear: $("clear"), ttft: $("ttft"), tps: $("tps"), ntok: $("ntok"),
+  finish: $("finish"), mode: $("mode"), system: $("system"), token: $("token"), extra: $("extra"),
+};
+const NUMBER_PARAMS = { max_tokens: parseInt, temperature: parseFloat, top_p: parseFloat, top_k: parseInt, seed: parseInt };
+
+// --- state ----------------------------------------------------------------------------------------
+
+let chat = load(); // { history: [{ role, content, meta? }], active: { id, started } | null }
+let client = null;
+let clientToken = null;
+let current = null; // the answer streaming now: { stream, el, text, ... }
+
+function load() {
+  try {
+    const saved = JSON.parse(localStorage.getItem(STORE));
+    if (saved && Array.isArray(saved.history)) return saved;
+  } catch { /* a corrupt entry starts a new chat */ }
+  return { history: [], active: null };
+}
+
+function save() {
+  localStorage.setItem(STORE, JSON.stringify(chat));
+}
+
+function getClient() {
+  const token = ui.token.value.trim() || new URLSearchParams(location.search).get("token") || "";
+  if (client && token === clientToken) return client;
+  if (client) client.close();
+  clientToken = token;
+  localStorage.setItem(`${STORE}.token`, token);
+  const url = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws`;
+  client = new StreamerClient(url, { token: token || undefined, onStatus: showStatus });
+  return client;
+}
+
+function showStatus(status) {
+  ui.status.dataset.status = status;
+  ui.status.textContent = { open: "connected", connecting: "connecting…", reconnecting: "reconnecting…", closed: "idle" }[status] || status;
+  ui.status.title = status === "reconnecting"
+    ? "cannot reach the gateway: is it running? does it need an API key (Settings)?"
+    : "connection to the gateway";
+}
+
+// --- rendering ------------------------------------------------------------------------------------
+
+function addMessage(role, content, meta) {
+  ui.empty.hidden = true;
+  const el = document.createElement("div");
+  el.className = `msg ${role}`;
+  const text = document.createElement("span");
+  text.className = "text";
+  text.textContent = content;
+  el.append(text);
+  if (meta) setMeta(el, meta);
+  ui.log.append(el);
+  ui.log.scrollTop = ui.log.scrollHeight;
+  return el;
+}
+
+function setMeta(el, meta) {
+  let m = el.querySelector(".meta");
+  if (!m) {
+    m = document.createElement("span");
+    m.className = "meta";
+    el.append(m);
+  }
+  m.textContent = meta;
+}
+
+function fmtMs(ms) {
+  return ms < 1000 ? `${Math.round(ms)} ms` : `${(ms / 1000).toFixed(2)} s`;
+}
+
+function showStats(a) {
+  ui.ttft.textContent = a.ttft == null ? "–" : fmtMs(a.ttft);
+  const span = (a.lastAt - a.firstAt) / 1000;
+  ui.tps.textContent = a.tokens > 1 && span > 0 ? ((a.tokens - 1) / span).toFixed(1) : "–";
+  ui.ntok.textContent = String(a.tokens);
+}
+
+// Paint at most once per frame: many tokens can arrive between two frames.
+function paint(a) {
+  if (a.painting) return;
+  a.painting = true;
+  requestAnimationFrame(() => {
+    a.painting = false;
+    a.textEl.textContent = a.text;
+    showStats(a);
+    const nearBottom = ui.log.scrollHeight - ui.log.scrollTop - ui.log.clientHeight < 80;
+    if (nearBottom) ui.log.scrollTop = ui.log.scrollHeight;
+  });
+}
+
+function setBusy(busy) {
+  ui.send.disabled = busy;
+  ui.stop.disabled = !busy;
+}
+
+// --- requests -------------------------------------------------------------------------------------
+
+function params() {
+  const p = {};
+  for (const [name, parse] of Object.entries(NUMBER_PARAMS)) {
+    const raw = $(name).value.trim();
+    if (raw !== "") p[name] = parse(raw);
+  }
+  const extra = ui.extra.value.trim();
+  if (extra) Object.assign(p, JSON.parse(extra)); // a typo surfaces as an error in the chat
+  return p;
+}
+
+function buildRequest(promptText) {
+  if (ui.mode.value === "raw") return { prompt: promptText, params: params() };
+  const messages = [];
+  if (ui.system.value.trim()) messages.push({ role: "system", content: ui.system.value.trim() });
+  for (const m of chat.history) if (m.role === "user" || m.role === "assistant") messages.push({ role: m.role, content: m.content });
+  return { messages, params: params() };
+}
+
+async function follow(stream, el, sentAt) {
+  const a = { stream, el, textEl: el.querySelector(".text"), text: "", tokens: 0, ttft: null, firstAt: 0, lastAt: 0, painting: false };
+  current = a;
+  el.dataset.state = "streaming";
+  el.dataset.id = stream.id;
+  setBusy(true);
+  ui.finish.textContent = "";
+  showStats(a);
+  let meta = "";
+  try {
+    for await (const event of stream) {
+      const now = performance.now();
+      if (event.type === "token") {
+        if (!a.firstAt) {
+          a.firstAt = now;
+          if (sentAt != null) a.ttft = now - sentAt;
+        }
+        a.lastAt = now;
+        a.tokens += event.token_ids ? event.token_ids.length : 1;
+        a.text += event.text;
+        paint(a);
+      } else if (event.type === "done") {
+        const reason = event.finish_reason || "done";
+        el.dataset.state = reason === "abort" ? "stopped" : "done";
+        meta = reason === "abort" ? "stopped" : `finish: ${reason}`;
+        if (event.usage) meta += ` · ${event.usage.prompt_tokens} prompt + ${event.usage.completion_tokens} completion tokens`;
+      }
+    }
+  } catch (err) {
+    el.dataset.state = "error";
+    meta = err instanceof StreamerError ? `error ${err.code}: ${err.event.message}` : `error: ${err}`;
+  }
+  a.textEl.textContent = a.text;
+  showStats(a);
+  ui.finish.textContent = meta;
+  setMeta(el, meta);
+  if (current === a) current = null;
+  chat.active = null;
+  chat.history.push({ role: "assistant", content: a.text, meta });
+  save();
+  setBusy(false);
+}
+
+function send(promptText) {
+  const request = buildRequest(promptText);
+  chat.history.push({ role: "user", content: promptText });
+  addMessage("user", promptText);
+  if (request.prompt === undefined) request.messages.push({ role: "user", content: promptText });
+  const stream = getClient().generate(request);
+  chat.active = { id: stream.id, started: Date.now() };
+  save();
+  return follow(stream, addMessage("assistant", ""), performance.now());
+}
+
+// --- wiring ---------------------------------------------------------------------------------------
+
+ui.form.addEventListener("submit", (e) => {
+  e.preventDefault();
+  const text = ui.prompt.value.trim();
+  if (!text || current) return;
+  try {
+    params();
+  } catch (err) {
+    ui.finish.textContent = `more params: not valid JSON (${err.message})`;
+    return;
+  }
+  ui.prompt.value = "";
+  send(text);
+});
+
+ui.prompt.addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
+    e.preventDefault();
+    ui.form.requestSubmit();
+  }
+});
+
+ui.stop.addEventListener("click", () => {
+  if (!current) return;
+  current.stream.cancel();
+  ui.stop.disabled = true;
+  setMeta(current.el, "stopping…");
+});
+
+ui.clear.addEventListener("click", () => {
+  if (current) current.stream.cancel();
+  chat = { history: [], active: null };
+  save();
+  for (const el of [...ui.log.querySelectorAll(".msg")]) el.remove();
+  ui.empty.hidden = false;
+  ui.finish.textContent = "";
+});
+
+// Settings survive reloads too.
+for (const id of [...Object.keys(NUMBER_PARAMS), "mode", "system", "extra"]) {
+  const key = `${STORE}.setting.${id}`;
+  const saved = localStorage.getItem(key);
+  if (saved !== null) $(id).value = saved;
+  $(id).addEventListener("change", () => localStorage.setItem(key, $(id).value));
+}
+ui.token.value = localStorage.getItem(`${STORE}.token`) || "";
+
+// Restore the conversation; an answer that was streaming when the page went away is resumed from the
+// start of its events (the gateway replays them from Redis, then continues live).
+for (const m of chat.history) addMessage(m.role, m.content, m.meta);
+if (chat.active) {
+  const el = addMessage("assistant", "");
+  follow(getClient().resume(chat.active.id, -1), el, null);
+}
+ui.prompt.focus();

@@ -1,0 +1,316 @@
+"""The gateway's Redis side: push jobs, publish cancels, and relay each request's events in `seq` order.
+
+One pub/sub connection serves every request of the process (SUBSCRIBE per `tokens:{id}` channel, while
+someone watches it). Pub/sub is fast but lossy (a reader that subscribed late, a dropped connection), so
+the events stream `events:{id}` is the source of truth: a `Watch` delivers `seq` 0, 1, 2 ... exactly once,
+reading the stream to fill any gap (resume, a missed message, an idle watch, a Redis reconnect).
+Event ids in the stream are `0-(seq+1)` (workers.protocol.event_stream_id), so a fill starts at its seq.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from workers.backoff import TRANSIENT, Backoff
+from workers.gateway_metrics import Metrics
+from workers.protocol import (
+    Names,
+    ProtocolError,
+    decode_message,
+    decode_payload,
+    encode_job,
+    event_stream_id,
+    split_fields,
+)
+
+log = logging.getLogger("streamer.gateway")
+
+FINAL_TYPES = ("done", "error")
+_FILL_BATCH = 256
+_MAX_OUT_OF_ORDER = 1024  # events held while a gap is filled; past this the stream read covers them
+
+
+def _json_text(event: dict[str, Any], raw: bytes, encoding: str) -> str:
+    """What a browser gets: the worker's JSON text as is (no re-encoding), or msgpack turned into JSON."""
+    if encoding == "json":
+        return raw.decode("utf-8")
+    return json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+
+
+class Watch:
+    """One reader of one request's events. `on_event(event, json_text)` sees each seq once, in order."""
+
+    def __init__(self, hub: Hub, request_id: str, next_seq: int,
+                 on_event: Callable[[dict[str, Any], str], None]) -> None:
+        self.hub, self.request_id, self.next_seq, self.on_event = hub, request_id, next_seq, on_event
+        self.channel = hub.names.tokens(request_id)
+        self.held: dict[int, tuple[dict[str, Any], str]] = {}
+        self.finished = False
+        self.closed = False
+        self.last_activity = time.monotonic()
+        self.filling = False
+        self.fill_again = False
+
+    def offer(self, event: dict[str, Any], text: str) -> None:
+        seq = event.get("seq")
+        if self.closed or not isinstance(seq, int) or seq < self.next_seq:
+            return  # a duplicate (pub/sub and stream both carry every event)
+        if seq > self.next_seq:  # a gap: hold this one and read the missing ones from the stream
+            if len(self.held) < _MAX_OUT_OF_ORDER:
+                self.held[seq] = (event, text)
+            self.hub.fill_soon(self)
+            return
+        self._deliver(event, text)
+        while not self.closed and self.next_seq in self.held:
+            self._deliver(*self.held.pop(self.next_seq))
+
+    def _deliver(self, event: dict[str, Any], text: str) -> None:
+        self.next_seq += 1
+        self.last_activity = time.monotonic()
+        if event.get("type") in FINAL_TYPES:
+            self.finished = True
+            self.hub.unwatch(self)
+        self.on_event(event, text)
+
+
+class Hub:
+    def __init__(self, redis_url: str, names: Names, metrics: Metrics, *, ttl_s: float = 3600.0,
+                 idle_poll_s: float = 5.0) -> None:
+        self.names, self.metrics, self.ttl_ms, self.idle_poll_s = names, metrics, int(ttl_s * 1000), idle_poll_s
+        self.redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=30)
+        self.pubsub = self.redis.pubsub()
+        self.watches: dict[str, set[Watch]] = {}  # channel -> readers (the subscriptions we want)
+        self._subscribed: dict[str, asyncio.Event] = {}  # channel -> set when Redis confirmed it
+        self._sub_lock = asyncio.Lock()  # SUBSCRIBE/UNSUBSCRIBE go out in decision order
+        self._tasks: set[asyncio.Task[Any]] = set()
+        # A channel nobody publishes on keeps the pub/sub connection open while no request is watched.
+        self._idle_channel = f"{names.prefix}:gateway:{uuid.uuid4().hex}"
+        self._runner: asyncio.Task[Any] | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.pubsub.subscribe(self._idle_channel)
+        self._runner = asyncio.gather(self._read_loop(), self._idle_loop())
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            self._runner.cancel()
+            await asyncio.gather(self._runner, return_exceptions=True)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.pubsub.aclose()
+        await self.redis.aclose()
+
+    def spawn(self, coro: Any, what: str) -> None:
+        """A background task that is tracked (so close() can end it) and whose failure is logged."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            self._tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.error("%s failed: %r", what, t.exception(), exc_info=t.exception())
+
+        task.add_done_callback(done)
+
+    # --- commands ----------------------------------------------------------------------------------
+
+    def _claim_key(self, request_id: str) -> str:
+        """Set by the gateway when it pushes a job: duplicate ids are refused before they reach a worker,
+        and a resume of a job still waiting in the queue (no events yet) is told apart from a typo."""
+        return f"{self.names.prefix}:gateway:req:{request_id}"
+
+    async def claim(self, request_id: str) -> bool:
+        """Reserve an id for a job this gateway is about to push. False if it is already in use."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self._claim_key(request_id), 1, nx=True, px=self.ttl_ms)
+            pipe.exists(self.names.events(request_id), self.names.job(request_id))
+            claimed, existing = await pipe.execute()
+        return bool(claimed) and not existing
+
+    async def push(self, job: dict[str, Any]) -> None:
+        """Queue a job (already checked with protocol.parse_job, its id claimed)."""
+        await self.redis.xadd(self.names.requests, encode_job(job, "json"))
+        self.metrics.inc("requests_total")
+
+    async def known(self, request_id: str) -> bool:
+        keys = (self._claim_key(request_id), self.names.events(request_id), self.names.job(request_id))
+        return bool(await self.redis.exists(*keys))
+
+    async def last_event(self, request_id: str) -> dict[str, Any] | None:
+        entries = await self.redis.xrevrange(self.names.events(request_id), count=1)
+        if not entries:
+            return None
+        try:
+            event = decode_payload(*split_fields(entries[0][1]))
+        except ProtocolError:
+            return None
+        return event if isinstance(event, dict) else None
+
+    async def cancel(self, request_id: str) -> None:
+        """The marker covers a job no worker has read yet; the message reaches the one running it."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.names.cancelled(request_id), 1, px=self.ttl_ms)
+            pipe.publish(self.names.cancel, request_id)
+            await pipe.execute()
+        self.metrics.inc("cancels_total")
+
+    # --- watching ----------------------------------------------------------------------------------
+
+    async def watch(self, request_id: str, next_seq: int,
+                    on_event: Callable[[dict[str, Any], str], None]) -> Watch:
+        """Start relaying. Returns once the subscription is live, so nothing published after this returns
+        is missed; what was published before is read with `fill` (a resume)."""
+        w = Watch(self, request_id, next_seq, on_event)
+        self.watches.setdefault(w.channel, set()).add(w)
+        try:
+            await self._sync(w.channel)
+            await asyncio.wait_for(self._subscribed[w.channel].wait(), timeout=10)
+        except BaseException:
+            self.unwatch(w)
+            raise
+        return w
+
+    def unwatch(self, w: Watch) -> None:
+        if w.closed:
+            return
+        w.closed = True
+        readers = self.watches.get(w.channel)
+        if readers is not None:
+            readers.discard(w)
+            if not readers:
+                del self.watches[w.channel]
+                self.spawn(self._sync(w.channel), f"unsubscribe {w.channel}")
+
+    async def _sync(self, channel: str) -> None:
+        """Make Redis's subscription match `self.watches` for one channel. Decided under the lock, so
+        an unsubscribe scheduled before a new watch can never land after that watch's subscribe."""
+        async with self._sub_lock:
+            want, have = channel in self.watches, channel in self._subscribed
+            if want and not have:
+                self._subscribed[channel] = asyncio.Event()
+                try:
+                    await self.pubsub.subscribe(channel)
+                except BaseException:
+                    del self._subscribed[channel]
+                    raise
+            elif have and not want:
+                del self._subscribed[channel]
+                await self.pubsub.unsubscribe(channel)
+
+    def fill_soon(self, w: Watch) -> None:
+        if w.filling:
+            w.fill_again = True
+        else:
+            self.spawn(self.fill(w), f"read events of {w.request_id}")
+
+    async def fill(self, w: Watch) -> None:
+        """Deliver what the events stream holds from `w.next_seq` on. One fill per watch at a time."""
+        if w.filling:
+            w.fill_again = True
+            return
+        w.filling = True
+        try:
+            while not w.closed:
+                w.fill_again = False
+                self.metrics.inc("stream_fills_total")
+                entries = await self.redis.xrange(self.names.events(w.request_id),
+                                                  min=event_stream_id(w.next_seq), count=_FILL_BATCH)
+                for _, fields in entries:
+                    self._offer_fields(w, fields)
+                w.last_activity = time.monotonic()
+                if len(entries) < _FILL_BATCH and not w.fill_again:
+                    break
+        finally:
+            w.filling = False
+
+    def _offer_fields(self, w: Watch, fields: dict[Any, Any]) -> None:
+        try:
+            encoding, raw = split_fields(fields)
+            event = decode_payload(encoding, raw)
+        except ProtocolError as e:
+            log.warning("request %s: unreadable entry in its events stream: %s", w.request_id, e)
+            return
+        if isinstance(event, dict):
+            w.offer(event, _json_text(event, raw, encoding))
+
+    # --- background loops --------------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        backoff = Backoff("gateway pub/sub", log)
+        reconnected = False
+        while True:
+            try:
+                msg = await self.pubsub.get_message(timeout=1.0)
+                backoff.reset()
+            except TRANSIENT as e:
+                self.metrics.inc("redis_errors_total")
+                reconnected = True
+                await backoff.sleep(e)
+                continue
+            if reconnected:  # messages published while we were away are only in the streams
+                reconnected = False
+                for readers in list(self.watches.values()):
+                    for w in list(readers):
+                        self.fill_soon(w)
+            if msg is not None:
+                self._dispatch(msg)
+
+    def _dispatch(self, msg: dict[str, Any]) -> None:
+        channel = msg["channel"].decode() if isinstance(msg["channel"], bytes) else msg["channel"]
+        if msg["type"] == "subscribe":
+            confirmed = self._subscribed.get(channel)
+            if confirmed is not None:
+                confirmed.set()
+            return
+        if msg["type"] != "message" or channel not in self.watches:
+            return
+        data = msg["data"]
+        try:
+            event = decode_message(data)
+        except ProtocolError as e:
+            log.warning("unreadable message on %s: %s", channel, e)
+            return
+        if not isinstance(event, dict):
+            return
+        text = _json_text(event, data, "json" if data[:1] == b"{" else "msgpack")
+        for w in list(self.watches.get(channel, ())):
+            w.offer(event, text)
+
+    async def _idle_loop(self) -> None:
+        """A watch that heard nothing for a while reads its stream: covers any pub/sub message lost
+        in a way the read loop could not see."""
+        while True:
+            await asyncio.sleep(self.idle_poll_s / 2)
+            stale = time.monotonic() - self.idle_poll_s
+            for readers in list(self.watches.values()):
+                for w in list(readers):
+                    if w.last_activity < stale and not w.filling:
+                        w.last_activity = time.monotonic()
+                        self.fill_soon(w)
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await asyncio.wait_for(self.redis.ping(), timeout=2))
+        except (TimeoutError, *TRANSIENT):
+            return False
+
+    async def workers(self) -> list[dict[str, str]]:
+        """Live workers: their heartbeat hashes expire, so every key found belongs to a live one."""
+        found = []
+        async for key in self.redis.scan_iter(match=self.names.worker("*"), count=100):
+            fields = await self.redis.hgetall(key)
+            if fields:
+                name = key.decode()[len(self.names.worker("")):]
+                found.append({"name": name, **{k.decode(): v.decode() for k, v in fields.items()}})
+        return sorted(found, key=lambda w: w["name"])

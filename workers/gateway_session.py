@@ -1,0 +1,225 @@
+"""One WebSocket connection: client frames in, worker events out, through a bounded send queue.
+
+Frames are handled one at a time in arrival order (a `cancel` sent right after its `generate` is seen
+after the job was pushed). Nothing a client sends can end the connection except an oversized frame
+beyond the hard limit (websockets closes with 1009) or not reading fast enough (closed with
+CLOSE_SLOW_CONSUMER); every other mistake is answered with an `error` frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+
+from workers.backoff import TRANSIENT
+from workers.gateway_hub import FINAL_TYPES
+from workers.protocol import ID_RE, VERSION, ProtocolError, parse_job
+
+if TYPE_CHECKING:
+    from workers.gateway import Gateway
+    from workers.gateway_hub import Watch
+
+log = logging.getLogger("streamer.gateway")
+
+# Private-use close code (RFC 6455 4000-4999): the client read too slowly and its send queue overflowed.
+# Its requests keep running for the grace period; reconnect and `resume` them.
+CLOSE_SLOW_CONSUMER = 4008
+SLOW_CONSUMER_REASON = "send queue overflow: reading too slowly; reconnect and resume"
+
+
+def _size(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode())
+
+
+def _error_frame(request_id: str | None, code: str, message: str) -> str:
+    return json.dumps({"type": "error", "id": request_id, "code": code, "message": message,
+                       "source": "gateway"}, ensure_ascii=False)
+
+
+def _request_id(obj: dict[str, Any]) -> str:
+    rid = obj.get("id")
+    if not isinstance(rid, str) or not ID_RE.match(rid):
+        raise ProtocolError("invalid_request", "`id` must be a string of 1-128 characters from "
+                            "A-Z a-z 0-9 . _ : @ / + = -")
+    return rid
+
+
+class Session:
+    def __init__(self, ws: ServerConnection, gateway: Gateway) -> None:
+        self.ws, self.gw = ws, gateway
+        self.cfg, self.hub, self.metrics = gateway.config, gateway.hub, gateway.metrics
+        self.requests: dict[str, Watch] = {}
+        self._queue: deque[tuple[str, int]] = deque()
+        self._queued_bytes = 0
+        self._wake = asyncio.Event()
+        self.closing = False
+
+    async def run(self) -> None:
+        writer = asyncio.create_task(self._writer())
+        try:
+            async for frame in self.ws:
+                await self._handle(frame)
+        except ConnectionClosed:
+            pass
+        finally:
+            self.closing = True
+            writer.cancel()
+            await asyncio.gather(writer, return_exceptions=True)
+            for rid, w in self.requests.items():
+                self.hub.unwatch(w)
+                self.gw.cancel_later(rid)
+            self.requests.clear()
+
+    # --- sending -----------------------------------------------------------------------------------
+
+    def send(self, text: str) -> None:
+        """Queue a frame. Never waits: a reader that cannot keep up is closed instead of stalling the
+        Redis relay that feeds every other connection."""
+        if self.closing:
+            return
+        n = _size(text)
+        if self._queue and self._queued_bytes + n > self.cfg.send_queue_bytes:
+            self.closing = True
+            self._queue.clear()
+            self.metrics.inc("slow_consumer_closes_total")
+            log.warning("connection %s: send queue over %d bytes, closing (%d)", self.ws.id,
+                        self.cfg.send_queue_bytes, CLOSE_SLOW_CONSUMER)
+            self.hub.spawn(self._close_slow(), "close slow connection")
+            return
+        self._queue.append((text, n))
+        self._queued_bytes += n
+        self._wake.set()
+
+    async def _writer(self) -> None:
+        while True:
+            if not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            text, n = self._queue.popleft()
+            self._queued_bytes -= n
+            await self.ws.send(text)
+
+    async def _close_slow(self) -> None:
+        # The close frame queues behind what the kernel already holds; a reader that never drains it
+        # is cut off after close_timeout.
+        try:
+            await asyncio.wait_for(self.ws.close(CLOSE_SLOW_CONSUMER, SLOW_CONSUMER_REASON),
+                                   timeout=self.cfg.close_timeout_s)
+        except (TimeoutError, ConnectionClosed):
+            pass
+        finally:
+            if self.ws.transport is not None and not self.ws.transport.is_closing():
+                self.ws.transport.abort()
+
+    def error(self, request_id: str | None, code: str, message: str) -> None:
+        self.metrics.errors[code] += 1
+        self.send(_error_frame(request_id, code, message))
+
+    # --- frames ------------------------------------------------------------------------------------
+
+    async def _handle(self, frame: str | bytes) -> None:
+        if isinstance(frame, bytes):
+            return self.error(None, "bad_frame", "frames must be JSON text, not binary")
+        if len(frame) > self.cfg.max_frame_bytes or _size(frame) > self.cfg.max_frame_bytes:
+            return self.error(None, "too_large", f"frame is over {self.cfg.max_frame_bytes} bytes")
+        try:
+            obj = json.loads(frame)
+        except ValueError as e:
+            return self.error(None, "bad_json", f"frame is not JSON: {e}"[:200])
+        if not isinstance(obj, dict):
+            return self.error(None, "bad_frame", "a frame must be a JSON object with a `type`")
+        rid = obj.get("id") if isinstance(obj.get("id"), str) else None
+        handler = {"generate": self._generate, "cancel": self._cancel, "resume": self._resume}.get(
+            obj.get("type"))  # type: ignore[arg-type]
+        if handler is None:
+            return self.error(rid, "unknown_type", f"unknown frame type {obj.get('type')!r}; "
+                              "expected generate, cancel or resume")
+        try:
+            await handler(obj)
+        except ProtocolError as e:
+            self.error(e.request_id or rid, e.code, e.message)
+        except TRANSIENT as e:
+            self.metrics.inc("redis_errors_total")
+            log.warning("request %s: Redis unavailable: %r", rid, e)
+            self.error(rid, "redis_unavailable", "the gateway cannot reach Redis right now; retry shortly")
+
+    def _check_room(self, rid: str) -> None:
+        if rid in self.requests:
+            raise ProtocolError("duplicate_id", f"request {rid!r} is already streaming on this connection",
+                                rid)
+        if len(self.requests) >= self.cfg.max_inflight:
+            raise ProtocolError("too_many_requests", f"at most {self.cfg.max_inflight} requests in flight "
+                                "per connection: wait for one to finish or cancel one", rid)
+
+    async def _generate(self, obj: dict[str, Any]) -> None:
+        fields = {k: v for k, v in obj.items() if k != "type"}
+        if fields.get("id") is None:
+            fields["id"] = uuid.uuid4().hex
+        job = {"v": VERSION, **fields}
+        rid = parse_job(job, "json", self.gw.limits).id
+        self._check_room(rid)
+        if not await self.hub.claim(rid):
+            raise ProtocolError("duplicate_id", f"id {rid!r} is already used by another request", rid)
+        # Subscribed before the job exists, so the first token cannot be missed.
+        await self._watch(rid, 0, catch_up=False)
+        self.send(json.dumps({"type": "accepted", "id": rid}))
+        try:
+            await self.hub.push(job)
+        except BaseException:
+            self._forget(rid)
+            raise
+
+    async def _resume(self, obj: dict[str, Any]) -> None:
+        rid = _request_id(obj)
+        after = obj.get("after_seq", -1)
+        if not isinstance(after, int) or isinstance(after, bool) or after < -1:
+            raise ProtocolError("invalid_request", "`after_seq` must be an integer >= -1 (the last seq "
+                                "received; -1 replays from the start)", rid)
+        self._check_room(rid)
+        self.gw.keep(rid)  # whoever resumes first stops the pending grace-period cancel
+        if not await self.hub.known(rid):
+            raise ProtocolError("unknown_request", f"no request {rid!r} (never submitted, or expired)", rid)
+        last = await self.hub.last_event(rid)
+        if last is not None and last.get("type") in FINAL_TYPES and last.get("seq", 0) <= after:
+            raise ProtocolError("already_finished", f"request {rid!r} finished at seq {last.get('seq')}",
+                                rid)
+        self.metrics.inc("resumes_total")
+        await self._watch(rid, after + 1, catch_up=True)
+
+    async def _cancel(self, obj: dict[str, Any]) -> None:
+        rid = _request_id(obj)
+        self.gw.keep(rid)
+        await self.hub.cancel(rid)
+
+    # --- relaying ----------------------------------------------------------------------------------
+
+    async def _watch(self, rid: str, next_seq: int, *, catch_up: bool) -> None:
+        def on_event(event: dict[str, Any], text: str) -> None:
+            self.metrics.inc("events_relayed_total")
+            self.send(text)
+            if event.get("type") in FINAL_TYPES:
+                self.requests.pop(rid, None)
+
+        w = await self.hub.watch(rid, next_seq, on_event)
+        if w.finished:
+            return
+        self.requests[rid] = w
+        if catch_up:
+            try:
+                await self.hub.fill(w)
+            except BaseException:
+                self._forget(rid)
+                raise
+
+    def _forget(self, rid: str) -> None:
+        w = self.requests.pop(rid, None)
+        if w is not None:
+            self.hub.unwatch(w)
