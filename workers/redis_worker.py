@@ -172,7 +172,11 @@ class Worker:
     async def _leave(self) -> None:
         try:
             await self.redis.delete(self.names.worker(self.cfg.consumer))
-            if not self._pending_entries:  # with entries left, the consumer must stay for XAUTOCLAIM
+            # Deleting a consumer drops its pending entries: only leave when Redis says it holds none
+            # (an entry delivered just as reading stopped is reclaimed by another worker instead).
+            held = await self.redis.xpending_range(self.names.requests, self.names.group, "-", "+", 1,
+                                                   consumername=self.cfg.consumer)
+            if not held:
                 await self.redis.xgroup_delconsumer(self.names.requests, self.names.group, self.cfg.consumer)
         except TRANSIENT as e:
             log.warning("worker %s: could not deregister (%s)", self.cfg.consumer, e)
