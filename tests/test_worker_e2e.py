@@ -178,3 +178,31 @@ def test_protocol_doc_examples_are_json():
     line = """XADD llm:requests '*' json '{"v":1,"id":"a1","prompt":"Hello","params":{"max_tokens":16}}'"""
     assert line in doc
     assert json.loads(line.split("json ", 1)[1].strip("'"))["v"] == 1
+
+
+@pytest.mark.anyio
+async def test_reads_only_what_the_engine_can_admit(llama_ckpt, redis_url):
+    """With room for 2 sequences the worker takes 2 jobs at a time (plus finished ones awaiting their
+    ack); the rest of the backlog stays undelivered in Redis, free for other workers."""
+    r = redis.Redis.from_url(redis_url)
+    names = Names()
+    held = []
+    async with running_worker(llama_ckpt, redis_url, engine={"max_num_seqs": 2}), \
+            AsyncClient(redis_url) as client:
+        ids = [await client.submit(f"backlog {i}", params={**GREEDY, "max_tokens": 40}) for i in range(8)]
+
+        async def watch():
+            while True:
+                group = r.xinfo_groups(names.requests)[0]
+                held.append((group["pending"], group["lag"]))
+                await anyio.sleep(0.01)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            for rid in ids:
+                assert [e async for e in client.stream(rid, timeout=30)][-1]["type"] == "done"
+            tg.cancel_scope.cancel()
+    assert max(pending for pending, _ in held) <= 4, held
+    assert max(lag for _, lag in held) >= 5, held
+    assert r.xlen(names.requests) == 0
+    r.close()
