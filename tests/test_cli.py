@@ -209,3 +209,10 @@ def test_bench_passes_arguments_through() -> None:
     proc = streamer("bench", "throughput", "--help")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: throughput.py") and "--requests" in proc.stdout
+
+
+def test_readme_test_command_is_what_ci_runs() -> None:
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert ci == "bash .ci/install && python3 -m pytest"
+    readme = (ROOT / "README.md").read_text()
+    assert f"{ci}            # test" in readme and "bash .ci/install && streamer up" in readme

@@ -245,6 +245,8 @@ def run(args: argparse.Namespace) -> int:
               f"  WebSocket:  ws://{local_host}:{port}/ws\n"
               f"  Redis:      {redact_url(redis_url)}\n"
               f"  model:      {model} on {device}\n"
+              f"  try:        STREAMER_REDIS={redact_url(redis_url)} streamer generate --chat "
+              "'What is the capital of France?'\n"
               "Press Ctrl-C to stop.", flush=True)
         while True:
             for child in children:

@@ -1,0 +1,112 @@
+"""compose.yaml and the Dockerfile, checked offline (Docker does not run here): the compose file
+validates against the compose specification, every command it runs exists in our CLI, and the
+settings the issue asks for are there."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from workers.cli import ENV_PREFIX, command_parser, env_name, option_actions
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "compose.yaml"
+# Variables read outside argparse (workers/default_model.py, workers/cli.py).
+GLOBAL_ENV = {"STREAMER_CACHE", "STREAMER_DEBUG"}
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def _entrypoint() -> list[str]:
+    text = (ROOT / "Dockerfile").read_text()
+    return json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", text, re.M).group(1))
+
+
+def _streamer_argv(service: dict) -> list[str]:
+    """The argv of `streamer` a service runs (the image's entry point plus its command)."""
+    assert _entrypoint() == ["streamer"]
+    return list(service["command"])
+
+
+def test_validates_against_the_compose_spec() -> None:
+    exe = shutil.which("check-jsonschema") or pytest.fail("check-jsonschema is not installed (dev extra)")
+    proc = subprocess.run([exe, "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_validator_rejects_a_broken_file(tmp_path: Path) -> None:
+    """The check above can fail: a misspelt key is caught."""
+    bad = tmp_path / "compose.yaml"
+    bad.write_text(COMPOSE.read_text().replace("healthcheck:", "helthcheck:", 1))
+    proc = subprocess.run([shutil.which("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(bad)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+
+
+def test_every_command_exists_in_our_cli(compose: dict) -> None:
+    image = {name: s for name, s in compose["services"].items() if s.get("image", "").startswith("streamer")}
+    assert set(image) == {"worker", "worker-cpu", "gateway"}
+    for name, service in image.items():
+        argv = _streamer_argv(service)
+        parser = command_parser(argv[0])
+        parser.parse_args(argv[1:])  # exits (fails the test) on an unknown option
+        # Every STREAMER_* variable set for the service is an option of its command.
+        known = {env_name(a) for a in option_actions(parser)} | GLOBAL_ENV
+        for var in service.get("environment", {}):
+            assert not var.startswith(ENV_PREFIX) or var in known, (name, var)
+    # The image's default command too.
+    cmd = json.loads(re.search(r"^CMD (\[.*\])$", (ROOT / "Dockerfile").read_text(), re.M).group(1))
+    command_parser(cmd[0]).parse_args(cmd[1:])
+
+
+def test_redis_is_private_persistent_and_password_protected(compose: dict) -> None:
+    redis = compose["services"]["redis"]
+    assert "ports" not in redis
+    command = " ".join(redis["command"])
+    assert "--appendonly yes" in command and "--requirepass ${REDIS_PASSWORD:?" in command
+    assert any(v.startswith("redis-data:") for v in redis["volumes"])
+    assert "ping" in " ".join(redis["healthcheck"]["test"])
+    url = compose["services"]["worker"]["environment"]["STREAMER_REDIS"]
+    assert url.startswith("${REDIS_URL:-redis://:${REDIS_PASSWORD")
+
+
+def test_worker_gpu_scaling_and_model_cache(compose: dict) -> None:
+    worker = compose["services"]["worker"]
+    devices = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["capabilities"] == ["gpu"] and devices[0]["count"] == "${TP:-1}"
+    env = worker["environment"]
+    assert env["STREAMER_MODEL"] == "${MODEL:-}" and env["STREAMER_TENSOR_PARALLEL_SIZE"] == "${TP:-1}"
+    assert env["STREAMER_CACHE"] == "/cache" and "model-cache:/cache" in worker["volumes"]
+    assert worker["depends_on"]["redis"]["condition"] == "service_healthy"
+    # Scalable: nothing that pins one container (name, host port).
+    assert "container_name" not in worker and "ports" not in worker
+    assert compose["services"]["worker-cpu"]["environment"]["STREAMER_DEVICE"] == "cpu"
+
+
+def test_gateway_port_and_healthcheck(compose: dict) -> None:
+    gateway = compose["services"]["gateway"]
+    assert gateway["ports"] == ["127.0.0.1:${PORT:-8000}:8000"]
+    args = command_parser("gateway").parse_args(gateway["command"][1:])
+    assert args.port == 8000
+    check = gateway["healthcheck"]["test"]
+    assert check[:3] == ["CMD", "python", "-c"] and "http://127.0.0.1:8000/healthz" in check[3]
+    compile(check[3], "healthcheck", "exec")
+
+
+def test_empty_model_means_the_default_model(tmp_path: Path) -> None:
+    """compose passes `${MODEL:-}` through as an empty STREAMER_MODEL: that must not be a path."""
+    code = ("from workers.cli import command_parser; "
+            "print(repr(command_parser('worker').parse_args([]).model))")
+    env = {"STREAMER_MODEL": "", "PATH": "", "HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "None", out.stderr
