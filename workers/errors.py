@@ -51,9 +51,13 @@ def friendly_message(exc: BaseException, redis_url: str | None = None) -> str | 
     """One line for errors a user can fix; None for anything else (a bug: keep the traceback)."""
     if isinstance(exc, UserError):
         return str(exc)
-    model_config = sys.modules.get("streamer.model_config")  # only if the engine was loaded
+    # Engine errors, looked up only if the engine was loaded (importing it here would pull torch).
+    model_config = sys.modules.get("streamer.model_config")
     if model_config is not None and isinstance(exc, model_config.UnsupportedModelError):
         return f"{exc}: use a Llama (2/3), Mistral or Qwen2 checkpoint"
+    config_error = getattr(sys.modules.get("streamer.errors"), "ConfigError", None)
+    if config_error is not None and isinstance(exc, config_error):  # a bad engine option
+        return f"{exc} (see `streamer worker --help`)"
     try:
         import redis.exceptions as rex
     except ImportError:  # pragma: no cover - redis is a hard dependency

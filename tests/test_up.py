@@ -1,0 +1,186 @@
+"""`streamer up` as a real process on CPU, with the real SmolLM2 model: the page loads, a
+WebSocket prompt gets a sensible answer, and Ctrl-C leaves no process or port behind."""
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from workers.default_model import ensure_default_model
+from workers.redis_server import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache folder holding the converted default model; the same folder test_default_model
+    uses, so the conversion runs once per session."""
+    cache = tmp_path_factory.getbasetemp() / "streamer-cache"
+    ensure_default_model(cache=cache)
+    return cache
+
+
+class Up:
+    """`streamer up` in its own process group, as a shell runs a foreground job."""
+
+    def __init__(self, *args: str, env: dict[str, str]) -> None:
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMER_")}
+        full_env.update(env)
+        self.proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "up", *args], cwd=ROOT,
+                                     env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.output: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                if self.proc.poll() is not None and self.lines.empty():
+                    break
+                continue
+            self.output.append(line)
+            match = re.search(pattern, line)
+            if match:
+                return match
+        pytest.fail(f"no line matching {pattern!r} within {timeout}s; output:\n{self.text()}")
+
+    def text(self) -> str:
+        while not self.lines.empty():
+            self.output.append(self.lines.get())
+        return "".join(self.output)
+
+    def ctrl_c(self, timeout: float = 60) -> int:
+        os.killpg(self.proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def port_open(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+async def ask(port: int, messages: list[dict], max_tokens: int) -> list[dict]:
+    import websockets
+
+    events = []
+    async with websockets.connect(f"ws://127.0.0.1:{port}/ws", origin=f"http://127.0.0.1:{port}",
+                                  open_timeout=10) as ws:
+        await ws.send(json.dumps({"type": "generate", "messages": messages,
+                                  "params": {"max_tokens": max_tokens, "temperature": 0}}))
+        while True:
+            import anyio
+
+            with anyio.fail_after(60):
+                event = json.loads(await ws.recv())
+            if event.get("type") in ("token", "done", "error"):
+                events.append(event)
+            if event.get("type") in ("done", "error"):
+                return events
+
+
+def test_up_serves_the_real_model_and_ctrl_c_stops_everything(smollm2_cache: Path) -> None:
+    import anyio
+
+    port = free_port()
+    # The KV-cache size reaches the worker through the environment: `up` passes STREAMER_* on.
+    up = Up("--port", str(port), "--device", "cpu",
+            env={"STREAMER_CACHE": str(smollm2_cache), "STREAMER_KV_CACHE_MEMORY_GB": "0.25"})
+    pids: list[int] = []
+    try:
+        redis_port = int(up.wait_for(r"redis://127\.0\.0\.1:(\d+)/0", 30).group(1))
+        up.wait_for(r"Press Ctrl-C to stop", 240)
+        out = up.text()
+        for phase in ("redis", "model", "worker", "gateway"):
+            assert re.search(rf"{phase} ready in \d+\.\ds", out), out
+        assert f"chat page:  http://127.0.0.1:{port}/" in out
+        pids = children_of(up.proc.pid)
+        assert len(pids) == 3, (pids, out)  # redis-server, worker, gateway
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as page:
+            assert page.status == 200 and "<title>streamer" in page.read().decode()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as health:
+            assert len(json.load(health)["workers"]) == 1
+        # compose.yaml's gateway healthcheck, run against a real gateway.
+        check = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]["gateway"]["healthcheck"]
+        code = check["test"][3].replace(":8000/", f":{port}/")
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+
+        events = anyio.run(ask, port, [{"role": "user", "content": "What is the capital of France?"}], 16)
+        assert [e["seq"] for e in events] == list(range(len(events)))
+        assert events[-1]["type"] == "done", events[-1]
+        answer = "".join(e["text"] for e in events)
+        assert "Paris" in answer, answer
+
+        assert up.ctrl_c() == 0, up.text()
+        assert "stopped" in up.text()
+        assert not [p for p in pids if alive(p)], up.text()
+        assert not port_open(port) and not port_open(redis_port)
+    finally:
+        up.kill()
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_worker_failing_at_startup_stops_everything(llama_ckpt: Path) -> None:
+    """A worker that cannot start (here: a context longer than the model allows) ends `up` with one
+    clear line, and the private Redis it had started is gone."""
+    up = Up("--port", "0", "--device", "cpu", "--model", str(llama_ckpt),
+            env={"STREAMER_MAX_MODEL_LEN": "1000000"})
+    try:
+        redis_port = int(up.wait_for(r"redis://127\.0\.0\.1:(\d+)/0", 30).group(1))
+        assert up.proc.wait(120) == 2
+        out = up.text()
+        assert "streamer up: error: the worker exited with status" in out, out
+        assert not port_open(redis_port)
+        assert not children_of(up.proc.pid)
+    finally:
+        up.kill()
