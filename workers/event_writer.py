@@ -21,17 +21,23 @@ log = logging.getLogger("streamer.worker")
 
 # Append each event under its explicit id 0-(seq+1) and publish it only if the append succeeded: an
 # event Redis already holds (a retried pipeline, or two workers resuming one request) is skipped, so
-# neither the stream nor the channel ever sees a seq twice.
+# neither the stream nor the channel ever sees a seq twice. One call carries a whole flush:
+# KEYS = event streams; ARGV = ttl, then per key: count, channel, field, count x (entry id, payload).
 _APPEND_AND_PUBLISH = """
-local written = 0
-for i = 4, #ARGV, 2 do
-  local r = redis.pcall('XADD', KEYS[1], ARGV[i], ARGV[2], ARGV[i + 1])
-  if type(r) ~= 'table' or not r.err then
-    redis.call('PUBLISH', ARGV[1], ARGV[i + 1])
-    written = written + 1
+local pos, written = 2, 0
+for k = 1, #KEYS do
+  local n, channel, field = tonumber(ARGV[pos]), ARGV[pos + 1], ARGV[pos + 2]
+  pos = pos + 3
+  for _ = 1, n do
+    local r = redis.pcall('XADD', KEYS[k], ARGV[pos], field, ARGV[pos + 1])
+    if type(r) ~= 'table' or not r.err then
+      redis.call('PUBLISH', channel, ARGV[pos + 1])
+      written = written + 1
+    end
+    pos = pos + 2
   end
+  redis.call('PEXPIRE', KEYS[k], ARGV[1])
 end
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return written
 """
 
@@ -99,17 +105,24 @@ class EventWriter:
 
     async def _send(self, batch: list[Write]) -> None:
         names = self.names
+        keys: list[str] = []
+        args: list[str | bytes | int] = [self.ttl_ms]
+        acks = [w for w in batch if w.ack_entry is not None]
+        for w in batch:
+            if w.events:
+                keys.append(names.events(w.request_id))
+                args += [len(w.events), names.tokens(w.request_id), w.encoding]
+                for event in w.events:
+                    args += [event_stream_id(event["seq"]), encode(event, w.encoding)]
         async with self.redis.pipeline(transaction=False) as pipe:
-            for w in batch:
-                if w.events:
-                    args: list[str | bytes | int] = [names.tokens(w.request_id), w.encoding, self.ttl_ms]
-                    for event in w.events:
-                        args += [event_stream_id(event["seq"]), encode(event, w.encoding)]
-                    await self._script(keys=[names.events(w.request_id)], args=args, client=pipe)
-                if w.ack_entry is not None:
-                    # The finished job leaves the requests stream; its id claim lives as long as its events.
-                    pipe.xack(names.requests, names.group, w.ack_entry)
-                    pipe.xdel(names.requests, w.ack_entry)
+            if keys:
+                await self._script(keys=keys, args=args, client=pipe)
+            if acks:
+                # Finished jobs leave the requests stream; their id claims live as long as their events.
+                entries = [w.ack_entry for w in acks]
+                pipe.xack(names.requests, names.group, *entries)
+                pipe.xdel(names.requests, *entries)
+                for w in acks:
                     pipe.pexpire(names.job(w.request_id), self.ttl_ms)
             await pipe.execute()
         self.round_trips += 1

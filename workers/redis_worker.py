@@ -11,6 +11,7 @@ Redis I/O and generation never wait on each other.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -71,6 +72,7 @@ class WorkerConfig:
     max_deliveries: int = 5  # a job delivered more often than this (it keeps killing workers) is dead
     grace_s: float = 30.0  # SIGTERM: time to finish in-flight jobs before leaving them to others
     block_ms: int = 1000
+    read_linger_ms: float = 3.0  # after a partial read, wait this long for more of a burst
     model_name: str = ""
 
     def __post_init__(self) -> None:
@@ -213,9 +215,7 @@ class Worker:
         while True:
             count = await self._wait_capacity()
             try:
-                reply = await self.redis.xreadgroup(self.names.group, self.cfg.consumer,
-                                                    {self.names.requests: ">"}, count=count,
-                                                    block=self.cfg.block_ms)
+                entries = await self._read(count, self.cfg.block_ms)
                 backoff.reset()
             except ResponseError as e:
                 if "NOGROUP" not in str(e):
@@ -226,8 +226,18 @@ class Worker:
             except TRANSIENT as e:
                 await backoff.sleep(e)
                 continue
-            for _stream, entries in reply or []:
-                await self._start_batch([(entry_id, fields, 1) for entry_id, fields in entries])
+            if 0 < len(entries) < count and self.cfg.read_linger_ms > 0:
+                # Jobs pushed in a burst arrive over a few ms: gather them so they enter the engine
+                # together (one prefill batch) instead of one step apart.
+                await anyio.sleep(self.cfg.read_linger_ms / 1000)
+                with contextlib.suppress(*TRANSIENT):
+                    entries += await self._read(count - len(entries), None)
+            await self._start_batch([(entry_id, fields, 1) for entry_id, fields in entries])
+
+    async def _read(self, count: int, block_ms: int | None) -> list[tuple[Any, Any]]:
+        reply = await self.redis.xreadgroup(self.names.group, self.cfg.consumer, {self.names.requests: ">"},
+                                            count=count, block=block_ms)
+        return [entry for _stream, entries in reply or [] for entry in entries]
 
     async def _claim_loop(self) -> None:
         """Take over entries whose worker stopped refreshing them (dead), oldest first."""

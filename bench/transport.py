@@ -1,0 +1,171 @@
+"""Transport overhead: the same workload through Redis (a `streamer worker` process + the Python
+client) and through an in-process AsyncEngine, side by side.
+
+    python bench/transport.py [--model tiny|bench|PATH] [--requests 32] [--prompt-len 64] [--max-tokens 64]
+
+Per request it records the time to first token (from submit to the first token in the caller's
+hands) and the gaps between later token arrivals (per-token latency); prints p50/p99 of both and
+the output throughput (tokens/s over the whole run) for each path. Redis runs on a private
+redis-server on a free port; all requests are submitted at once, greedy, fixed length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Run as a script, Python puts bench/ first on sys.path, where bench/kernels.py would shadow the
+# `kernels` package: put the repository root there instead.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[0] = str(ROOT)
+
+from bench.workload import bench_checkpoint, make_workload  # noqa: E402
+
+
+@dataclass
+class Trace:
+    submitted: float
+    arrivals: list[float] = field(default_factory=list)  # one per token, in arrival order
+
+    def token(self, n: int) -> None:
+        now = time.perf_counter()
+        self.arrivals.extend([now] * n)
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def summarize(name: str, traces: list[Trace], wall: float) -> dict:
+    ttft = [t.arrivals[0] - t.submitted for t in traces]
+    gaps = [b - a for t in traces for a, b in zip(t.arrivals, t.arrivals[1:], strict=False)]
+    tokens = sum(len(t.arrivals) for t in traces)
+    return {"path": name, "ttft_p50_ms": 1e3 * statistics.median(ttft), "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
+            "tpot_p50_ms": 1e3 * statistics.median(gaps), "tpot_p99_ms": 1e3 * percentile(gaps, 0.99),
+            "tokens_per_s": tokens / wall, "tokens": tokens}
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    return {"max_num_seqs": max(args.requests, 8), "num_kv_blocks": args.kv_blocks, "dtype": args.dtype}
+
+
+async def run_in_process(ckpt: Path, work: list[list[int]], args: argparse.Namespace) -> dict:
+    from streamer import AsyncEngine, EngineConfig, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    async with AsyncEngine(EngineConfig(model=str(ckpt), **engine_options(args))) as engine:
+        async for _ in engine.generate({"prompt_token_ids": work[0][:8]}, params, "warm-up"):
+            pass
+        traces = [Trace(time.perf_counter()) for _ in work]
+        start = time.perf_counter()
+
+        async def one(i: int) -> None:
+            traces[i].submitted = time.perf_counter()
+            async for out in engine.generate({"prompt_token_ids": work[i]}, params, f"r{i}"):
+                traces[i].token(len(out.outputs[0].token_ids))
+
+        await asyncio.gather(*(one(i) for i in range(len(work))))
+        return summarize("in-process AsyncEngine", traces, time.perf_counter() - start)
+
+
+async def run_redis(ckpt: Path, work: list[list[int]], args: argparse.Namespace, url: str) -> dict:
+    import redis.asyncio as aioredis
+
+    from clients.redis_client import AsyncClient
+
+    opts = engine_options(args)
+    cmd = [sys.executable, "-m", "workers.cli", "worker", "--model", str(ckpt), "--redis", url,
+           "--max-num-seqs", str(opts["max_num_seqs"]), "--log-level", "WARNING"]
+    cmd += ["--num-kv-blocks", str(args.kv_blocks)] if args.kv_blocks else []
+    cmd += ["--dtype", args.dtype] if args.dtype else []
+    worker = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    params = {"max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True}
+    try:
+        probe = aioredis.Redis.from_url(url)
+        while not await probe.keys("llm:worker:*"):
+            if worker.poll() is not None:
+                raise RuntimeError("the worker exited during start-up")
+            await asyncio.sleep(0.1)
+        await probe.aclose()
+        async with AsyncClient(url, encoding=args.encoding) as client:
+            await client.generate(prompt_token_ids=work[0][:8], params=params, timeout=120)  # warm-up
+            traces = [Trace(0.0) for _ in work]
+            start = time.perf_counter()
+
+            async def one(i: int) -> None:
+                traces[i].submitted = time.perf_counter()
+                rid = await client.submit(prompt_token_ids=work[i], params=params)
+                async for event in client.stream(rid, timeout=300):
+                    if event["type"] == "error":
+                        raise RuntimeError(f"request failed: {event}")
+                    if event["token_ids"]:
+                        traces[i].token(len(event["token_ids"]))
+
+            await asyncio.gather(*(one(i) for i in range(len(work))))
+            return summarize(f"Redis worker ({args.encoding})", traces, time.perf_counter() - start)
+    finally:
+        worker.terminate()
+        worker.wait(60)
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| Path | TTFT p50 (ms) | TTFT p99 (ms) | per-token p50 (ms) | per-token p99 (ms) | tokens/s |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['path']} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['tpot_p50_ms']:.2f} | "
+                     f"{r['tpot_p99_ms']:.2f} | {r['tokens_per_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def resolve_model(name: str, cache: Path) -> Path:
+    if name == "bench":
+        return bench_checkpoint(cache)
+    if name == "tiny":
+        from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
+
+        path = cache / "llama-tiny-random"
+        if not (path / "config.json").exists():
+            build_checkpoint(path, TinyModelSpec(arch="llama"), seed=1)
+        return path
+    return Path(name)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny", help="tiny, bench (110M random Llama) or a checkpoint dir")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--kv-blocks", type=int, default=None, help="KV cache blocks (default: sized by the engine)")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--encoding", choices=("json", "msgpack"), default="msgpack")
+    parser.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "streamer-bench"))
+    args = parser.parse_args()
+
+    from transformers import AutoConfig
+
+    from workers.redis_server import RedisServer
+
+    ckpt = resolve_model(args.model, Path(args.cache))
+    vocab = AutoConfig.from_pretrained(ckpt).vocab_size
+    work = make_workload(args.requests, vocab, mean_prompt=args.prompt_len, min_out=args.max_tokens,
+                         max_out=args.max_tokens).prompts
+    rows = [asyncio.run(run_in_process(ckpt, work, args))]
+    with RedisServer() as server:
+        rows.append(asyncio.run(run_redis(ckpt, work, args, server.url)))
+    print(f"model {ckpt.name}, {args.requests} requests, ~{args.prompt_len} prompt tokens, "
+          f"{args.max_tokens} output tokens each, {os.cpu_count()} CPUs\n")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
