@@ -172,3 +172,38 @@ def test_worker_cli_refuses_missing_redis(llama_ckpt):
                           "--redis", f"redis://127.0.0.1:{free_port()}/0"], capture_output=True, timeout=60)
     assert out.returncode == 2
     assert b"cannot reach Redis" in out.stderr and b"Traceback" not in out.stderr
+
+
+@pytest.mark.anyio
+async def test_inflight_entries_stay_fresh_and_a_takeover_stops_the_job(llama_ckpt, redis_url):
+    """A live worker's jobs are never reclaimable, however long they run; if another worker takes one
+    over anyway (it thought this one dead), this worker stops it instead of racing."""
+    r = redis.Redis.from_url(redis_url)
+    async with running_worker(llama_ckpt, redis_url, claim_idle_s=0.4, heartbeat_s=0.1) as worker, \
+            AsyncClient(redis_url) as client:
+        rid = await client.submit("a long one", params={**LONG, "max_tokens": 900})
+        await wait_for(lambda: read_events(redis_url, rid), timeout=20)
+        for _ in range(10):  # 1 s: more than twice the idle time after which entries are reclaimed
+            taken = r.xautoclaim(NAMES.requests, NAMES.group, "thief", 400, count=10)[1]
+            assert taken == [], "a running job's entry went idle"
+            await anyio.sleep(0.1)
+        entry = r.xpending_range(NAMES.requests, NAMES.group, "-", "+", 1)[0]["message_id"]
+        r.xclaim(NAMES.requests, NAMES.group, "thief", 0, [entry])  # forced takeover
+        await wait_for(lambda: worker.engine.stats()["num_requests"] == 0, timeout=10)
+        events = read_events(redis_url, rid)
+        assert events[-1]["type"] == "token", "the job was left to its new owner, not answered"
+        assert r.xpending_range(NAMES.requests, NAMES.group, "-", "+", 1)[0]["consumer"] == b"thief"
+    r.close()
+
+
+@pytest.mark.anyio
+async def test_cancel_marker_reaches_a_running_job(llama_ckpt, redis_url):
+    """A cancel whose PUBLISH nobody heard (pub/sub reconnecting) still stops the job."""
+    r = redis.Redis.from_url(redis_url)
+    async with running_worker(llama_ckpt, redis_url), AsyncClient(redis_url) as client:
+        rid = await client.submit("stop me", params={**LONG, "max_tokens": 900})
+        await wait_for(lambda: read_events(redis_url, rid), timeout=20)
+        r.set(NAMES.cancelled(rid), 1)  # the marker only, no PUBLISH
+        events = [e async for e in client.stream(rid, timeout=10)]
+    assert events[-1]["type"] == "done" and events[-1]["finish_reason"] == "abort"
+    r.close()

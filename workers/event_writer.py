@@ -124,5 +124,12 @@ class EventWriter:
                 pipe.xdel(names.requests, *entries)
                 for w in acks:
                     pipe.pexpire(names.job(w.request_id), self.ttl_ms)
-            await pipe.execute()
+            replies = await pipe.execute(raise_on_error=False)
         self.round_trips += 1
+        for reply in replies:
+            # A command Redis refused (not a dropped connection, which raises) will not succeed on a
+            # retry either, e.g. NOGROUP after Redis lost its data: log it and go on.
+            if isinstance(reply, Exception):
+                if isinstance(reply, TRANSIENT):
+                    raise reply
+                log.warning("event writer: Redis refused a write: %s", reply)

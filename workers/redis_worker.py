@@ -486,10 +486,17 @@ class Worker:
                           approximate=True)
 
     async def _ack(self, entry_id: str) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xack(self.names.requests, self.names.group, entry_id)
-            pipe.xdel(self.names.requests, entry_id)
-            await self._retry("ack", pipe.execute)
+        async def ack() -> None:  # a fresh pipeline per attempt: a failed execute empties it
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xack(self.names.requests, self.names.group, entry_id)
+                pipe.xdel(self.names.requests, entry_id)
+                for reply in await pipe.execute(raise_on_error=False):
+                    if isinstance(reply, TRANSIENT):
+                        raise reply
+                    if isinstance(reply, Exception):  # e.g. NOGROUP: nothing left to ack
+                        log.warning("ack of entry %s refused: %s", entry_id, reply)
+
+        await self._retry("ack", ack)
         self._pending_entries.pop(entry_id, None)
 
     async def _retry(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -536,6 +543,8 @@ class Worker:
             except TRANSIENT as e:
                 await backoff.sleep(e)
                 continue
+            except ResponseError as e:  # e.g. NOGROUP after Redis lost its data: the reader recreates it
+                log.warning("heartbeat: %s", e)
             await anyio.sleep(self.cfg.heartbeat_s)
 
     def stats(self) -> dict[str, Any]:
@@ -547,11 +556,16 @@ class Worker:
                 "writer_round_trips": self.writer.round_trips, "updated_ms": int(time.time() * 1000)}
 
     async def _heartbeat(self, key: str, ttl_ms: int) -> None:
-        entries = list(self._pending_entries)
+        entries, running = list(self._pending_entries), list(self._running)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hset(key, mapping={k: str(v) for k, v in self.stats().items()})
             pipe.pexpire(key, ttl_ms)
-            await pipe.execute()
+            for request_id in running:  # cancel markers catch cancels published while pub/sub was down
+                pipe.exists(self.names.cancelled(request_id))
+            replies = await pipe.execute()
+        for request_id, marked in zip(running, replies[2:], strict=True):
+            if marked:
+                self.cancel(request_id)
         if not entries:
             return
         # Reset the idle time of our entries so no other worker reclaims them.
