@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_utils import (
+    attention_num_warps,
     cast_rtne,
     check_attention_args,
     dot_dtype,
@@ -138,7 +139,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     group = num_heads // num_kv_heads
     block_d = max(16, next_pow2(head_size))
     common = dict(BLOCK_G=max(16, next_pow2(group)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
-                  DOT_DTYPE=dot_dtype(query.dtype), PRECISION=dot_precision(query.dtype), num_warps=4)
+                  DOT_DTYPE=dot_dtype(query.dtype), PRECISION=dot_precision(query.dtype),
+                  num_warps=attention_num_warps(query.dtype))
     scale_log2 = scale * math.log2(math.e)
     kv_strides = (block_tables.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2))
     dims = (group, head_size, block_size)

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_utils import (
+    attention_num_warps,
     cast_rtne,
     check_attention_args,
     dot_dtype,
@@ -106,5 +107,5 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
         block_tables.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         head_size, block_size, GROUP=group, TOKENS=tokens, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         BLOCK_D=max(16, next_pow2(head_size)), DOT_DTYPE=dot_dtype(query.dtype),
-        PRECISION=dot_precision(query.dtype), num_warps=4)
+        PRECISION=dot_precision(query.dtype), num_warps=attention_num_warps(query.dtype))
     return out

@@ -34,6 +34,12 @@ def dot_dtype(dtype: torch.dtype) -> tl.dtype:
     return _TL_DTYPES[dtype]
 
 
+def attention_num_warps(dtype: torch.dtype) -> int:
+    """float32 tiles take twice the registers and its IEEE dot runs on FMAs: spread over 8 warps
+    (at 4, the sm_90 build of the float32 kernels spills)."""
+    return 8 if dtype == torch.float32 else 4
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """float32 inputs ask for IEEE products: the GPU would otherwise round them to TF32."""
     return "ieee" if dtype == torch.float32 else "tf32"
