@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="send the prompt as a user message, rendered with the model's chat template")
     parser.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--seed", type=int, default=None, help="sampling seed")
+    parser.add_argument("--seed", dest="sample_seed", type=int, default=None, help="sampling seed of this request")
     parser.add_argument("--params", default="{}",
                         help='more sampling parameters as JSON, e.g. \'{"top_p":0.9}\'')
     parser.add_argument("--encoding", choices=("json", "msgpack"), default="json", help="wire encoding")
@@ -37,8 +37,8 @@ def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
     if not isinstance(extra, dict):
         raise UserError("--params must be a JSON object")
     params = {"max_tokens": args.max_tokens, "temperature": args.temperature, **extra}
-    if args.seed is not None:
-        params["seed"] = args.seed
+    if args.sample_seed is not None:
+        params["seed"] = args.sample_seed
     return params
 
 

@@ -19,6 +19,24 @@ from workers.protocol import Limits, Names
 
 # Short aliases for the options people type most.
 _ALIASES = {"tensor_parallel_size": ["--tp"]}
+# Help for the engine options (a new EngineConfig field still gets a flag, with a generic help).
+_HELP = {
+    "dtype": "float32, bfloat16 or float16 (default: the checkpoint's; float32 on CPU)",
+    "device": "cpu, cuda or cuda:N (default: cuda when available)",
+    "block_size": "tokens per KV-cache block",
+    "num_kv_blocks": "KV-cache blocks (default: sized from free memory)",
+    "max_num_seqs": "most sequences running at once",
+    "max_num_batched_tokens": "most tokens computed in one step",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "attention_backend": "auto, torch or triton",
+    "tensor_parallel_size": "GPUs to split the model over",
+    "seed": "engine random seed",
+    "max_model_len": "longest prompt + output (default: the checkpoint's)",
+    "max_waiting_requests": "bound of the engine's waiting queue",
+    "max_waiting_tokens": "bound of queued prompt tokens",
+    "kv_cache_memory_gb": "CPU KV-cache size when --num-kv-blocks is not given",
+    "gpu_memory_utilization": "share of GPU memory the engine may use",
+}
 
 
 def _flag_type(tp: Any) -> tuple[Any, bool]:
@@ -45,9 +63,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         kind, is_bool = _flag_type(hints[f.name])
         if is_bool:
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default,
-                               help=f"engine option {f.name}")
+                               help=_HELP.get(f.name, f"engine option {f.name}"))
         else:
-            group.add_argument(*flags, type=kind, default=f.default, help=f"engine option {f.name}")
+            group.add_argument(*flags, type=kind, default=f.default,
+                               help=_HELP.get(f.name, f"engine option {f.name}"))
 
 
 def engine_config(args: argparse.Namespace) -> Any:
