@@ -138,3 +138,11 @@ def test_triton_backend_elementwise_methods_match_torch_backend(device: str) -> 
     triton_be.copy_blocks(caches[:2], caches[2:], mapping)
     torch_be.copy_blocks(caches_ref[:2], caches_ref[2:], mapping)
     assert all(torch.equal(a, b) for a, b in zip(caches, caches_ref))
+
+
+def test_triton_backend_without_gpu_or_interpreter_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU.*TRITON_INTERPRET=1"):
+        get_backend("triton", torch.device("cpu"))
+    assert get_backend("auto", torch.device("cpu")).name == "torch"

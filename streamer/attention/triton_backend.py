@@ -11,11 +11,18 @@ from kernels.paged_decode_triton import paged_decode_attention
 from kernels.paged_prefill_triton import paged_prefill_attention
 from kernels.rms_norm_triton import rms_norm
 from kernels.rotary_triton import rotary_embedding
+from kernels.triton_utils import interpreting
 from streamer.attention.backend import AttentionBackend, AttentionMetadata
 
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+
+    def __init__(self) -> None:
+        # Without this, the first launch fails with Triton's "0 active drivers".
+        if not interpreting() and not torch.cuda.is_available():
+            raise RuntimeError("attention_backend='triton' needs a CUDA GPU; on CPU use 'torch' (the default), "
+                               "or set TRITON_INTERPRET=1 to run the Triton kernels slowly for testing")
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, meta: AttentionMetadata) -> None:
