@@ -125,7 +125,8 @@ def test_env_var_reaches_a_real_command() -> None:
 def test_readme_documents_every_environment_variable() -> None:
     """The README's configuration table is `env_table()` verbatim (regenerate it when options change:
     python3 -c "from workers.cli import env_table; print(env_table())")."""
-    assert env_table() in (ROOT / "README.md").read_text()
+    assert env_table() in (ROOT / "README.md").read_text(), \
+        "README.md's configuration table is out of date: replace it with the output of env_table()"
 
 
 # --- friendly errors --------------------------------------------------------------------------

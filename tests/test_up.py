@@ -184,3 +184,29 @@ def test_worker_failing_at_startup_stops_everything(llama_ckpt: Path) -> None:
         assert not children_of(up.proc.pid)
     finally:
         up.kill()
+
+
+def test_up_with_an_existing_redis_leaves_it_running(llama_ckpt: Path, redis_server, redis_url: str) -> None:
+    """--redis URL: no private server; a worker already on that Redis does not count as ours (up waits
+    for a new heartbeat); Ctrl-C stops only what up started; --prefix reaches worker and gateway."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    client.hset("pre:worker:someone-else", mapping={"model": "x", "running": 0})  # another worker's heartbeat
+    client.expire("pre:worker:someone-else", 600)
+    port = free_port()
+    up = Up("--redis", redis_url, "--prefix", "pre", "--model", str(llama_ckpt), "--port", str(port),
+            "--device", "cpu", env={})
+    try:
+        up.wait_for(r"Press Ctrl-C to stop", 120)
+        assert "private" not in up.text()
+        heartbeats = {k.decode() for k in client.scan_iter(match="pre:worker:*")}
+        assert len(heartbeats) == 2, heartbeats
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as health:
+            assert len(json.load(health)["workers"]) == 2
+        assert up.ctrl_c() == 0, up.text()
+        assert client.ping() and not port_open(port)
+        assert {k.decode() for k in client.scan_iter(match="pre:worker:*")} == {"pre:worker:someone-else"}
+    finally:
+        up.kill()
+        client.close()

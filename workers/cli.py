@@ -178,7 +178,7 @@ def apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str] 
 
 
 def env_table() -> str:
-    """Markdown table of every environment variable, for the README (see docs/configuration.md).
+    """Markdown table of every environment variable, for the README's configuration section.
 
     One row per variable; where commands give it different meanings, each meaning is listed."""
     rows: dict[str, tuple[str, dict[str, str]]] = {}

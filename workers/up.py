@@ -38,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis", default=None,
                         help="URL of a running Redis to use; default: start a private redis-server "
                              "on a free port")
+    parser.add_argument("--prefix", default="llm", help="prefix of every Redis name (worker and gateway)")
     parser.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
     parser.add_argument("--port", type=int, default=8000, help="gateway port (0: any free port)")
     parser.add_argument("--device", default="auto", help="device for the worker: auto (CUDA if "
@@ -153,13 +154,13 @@ def check_redis(url: str) -> None:
         client.close()
 
 
-def worker_keys(url: str) -> set[bytes]:
+def worker_keys(url: str, prefix: str) -> set[bytes]:
     """Heartbeat keys of the workers alive on this Redis (each worker refreshes its own)."""
     from workers.protocol import Names
 
     client = _redis_client(url)
     try:
-        return set(client.scan_iter(match=Names().worker("*"), count=1000))
+        return set(client.scan_iter(match=Names(prefix=prefix).worker("*"), count=1000))
     finally:
         client.close()
 
@@ -226,16 +227,17 @@ def run(args: argparse.Namespace) -> int:
 
         device = best_device(args.device)
         with phases.phase("worker", f"Worker: loading the model on {device}"):
-            before = worker_keys(redis_url)
+            # With a shared Redis other workers may be there already: wait for a new heartbeat.
+            before = worker_keys(redis_url, args.prefix)
             worker = Child("worker", ["worker", "--model", model, "--redis", redis_url,
-                                      "--device", device]).start()
+                                      "--prefix", args.prefix, "--device", device]).start()
             children.append(worker)
-            wait_until(lambda: bool(worker_keys(redis_url) - before), children,
+            wait_until(lambda: bool(worker_keys(redis_url, args.prefix) - before), children,
                        args.startup_timeout, "loading the model")
 
         with phases.phase("gateway", f"Gateway on {args.host}:{port}"):
             gateway = Child("gateway", ["gateway", "--host", args.host, "--port", str(port),
-                                        "--redis", redis_url]).start()
+                                        "--redis", redis_url, "--prefix", args.prefix]).start()
             children.append(gateway)
             wait_until(lambda: http_status(f"http://{local_host}:{port}/healthz") == 200, children,
                        60.0, "starting the gateway")
