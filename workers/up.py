@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import os
 import signal
 import socket
 import subprocess
@@ -55,11 +56,12 @@ class Child:
 
     name: str
     argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # on top of ours (STREAMER_* pass through)
     proc: subprocess.Popen | None = None
 
     def start(self) -> Child:
         cmd = [sys.executable, "-m", "workers.cli", *self.argv]
-        self.proc = subprocess.Popen(cmd, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, **self.env})
         return self
 
     def exited(self) -> int | None:
@@ -215,7 +217,8 @@ def run(args: argparse.Namespace) -> int:
                 redis_url = args.redis
                 check_redis(redis_url)
             else:
-                redis_server = RedisServer(new_session=True).start()
+                redis_server = RedisServer(new_session=True)  # assigned first: Ctrl-C during
+                redis_server.start()                           # start() must still stop it
                 redis_url = redis_server.url
                 print(f"      {redis_url}", flush=True)
 
@@ -226,19 +229,23 @@ def run(args: argparse.Namespace) -> int:
                                                                             flush=True)))
 
         device = best_device(args.device)
+        # The Redis URL goes by environment, not argv: a password in it stays out of `ps`.
+        child_env = {"STREAMER_REDIS": redis_url}
         with phases.phase("worker", f"Worker: loading the model on {device}"):
             # With a shared Redis other workers may be there already: wait for a new heartbeat.
             before = worker_keys(redis_url, args.prefix)
-            worker = Child("worker", ["worker", "--model", model, "--redis", redis_url,
-                                      "--prefix", args.prefix, "--device", device]).start()
-            children.append(worker)
+            worker = Child("worker", ["worker", "--model", model, "--prefix", args.prefix,
+                                      "--device", device], env=child_env)
+            children.append(worker)  # before start(), so that a Ctrl-C in between stops it too
+            worker.start()
             wait_until(lambda: bool(worker_keys(redis_url, args.prefix) - before), children,
                        args.startup_timeout, "loading the model")
 
         with phases.phase("gateway", f"Gateway on {args.host}:{port}"):
             gateway = Child("gateway", ["gateway", "--host", args.host, "--port", str(port),
-                                        "--redis", redis_url, "--prefix", args.prefix]).start()
+                                        "--prefix", args.prefix], env=child_env)
             children.append(gateway)
+            gateway.start()
             wait_until(lambda: http_status(f"http://{local_host}:{port}/healthz") == 200, children,
                        60.0, "starting the gateway")
 
