@@ -121,7 +121,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     """Same contract as `paged_decode_attention_ref`; writes into `out` when given.
 
     `num_splits` forces the number of partitions (tests); by default `decode_num_splits` picks it
-    from the context length, the batch and the GPU.
+    from the context length, the batch and the GPU. With more than one, `max_seq_len` must bound
+    every `seq_lens[b]`: the partitions are cut from it.
     """
     batch, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -136,6 +137,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         num_splits = decode_num_splits(batch, num_kv_heads, max_seq_len, _num_sms(query.device))
     partition = triton.cdiv(triton.cdiv(max_seq_len, num_splits), BLOCK_N) * BLOCK_N
     num_splits = max(1, triton.cdiv(max_seq_len, partition))
+    if num_splits == 1:
+        partition = 1 << 30  # one pass covers whatever each sequence holds, whatever max_seq_len said
     group = num_heads // num_kv_heads
     block_d = max(16, next_pow2(head_size))
     common = dict(BLOCK_G=max(16, next_pow2(group)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
