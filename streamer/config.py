@@ -16,7 +16,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto | cpu | torch | triton
     tensor_parallel_size: int = 1
     seed: int = 0
     max_model_len: int | None = None  # None = the checkpoint's max_position_embeddings
@@ -43,8 +43,8 @@ class EngineConfig:
             (self.max_waiting_requests > 0, "max_waiting_requests must be positive"),
             (self.dtype in (None, "float32", "bfloat16", "float16", "auto"),
              "dtype must be float32, bfloat16 or float16"),
-            (self.attention_backend in ("auto", "torch", "triton"),
-             "attention_backend must be auto, torch or triton"),
+            (self.attention_backend in ("auto", "cpu", "torch", "triton"),
+             "attention_backend must be auto, cpu, torch or triton"),
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
         ]
         for ok, message in checks:

@@ -33,6 +33,14 @@ def test_greedy_parity_mixed_batches(request, ckpt_name, block_size):
     assert stats["kv_blocks_used"] == 0
 
 
+def test_parity_with_reference_backend(llama_ckpt):
+    """The pure-torch reference backend (no compiled kernel) gives the same tokens."""
+    prompts = parity_prompts(512)
+    got, _ = run_engine(llama_ckpt, prompts, attention_backend="torch", max_num_batched_tokens=160,
+                        num_kv_blocks=512)
+    assert got == reference(llama_ckpt, prompts)
+
+
 def test_parity_under_preemption(llama_ckpt):
     prompts = parity_prompts(512)
     # 48 blocks of 16 = 768 slots for ~850 prompt tokens + outputs: sequences must be evicted.

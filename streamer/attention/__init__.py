@@ -1,4 +1,6 @@
-"""Attention backends. `get_backend(name, device)` picks one; "auto" means triton on CUDA."""
+"""Attention backends. `get_backend(name, device)` picks one: "auto" means triton on CUDA and
+cpu (the torch references plus a compiled decode kernel) on the CPU; "torch" is the pure
+reference."""
 
 from __future__ import annotations
 
@@ -11,7 +13,11 @@ __all__ = ["AttentionBackend", "AttentionMetadata", "get_backend"]
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else "cpu"
+    if name == "cpu":
+        from streamer.attention.cpu_backend import CpuBackend
+
+        return CpuBackend()
     if name == "torch":
         from streamer.attention.torch_backend import TorchBackend
 
@@ -20,4 +26,4 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
         from streamer.attention.triton_backend import TritonBackend
 
         return TritonBackend()
-    raise ValueError(f"unknown attention_backend {name!r}: expected 'auto', 'torch' or 'triton'")
+    raise ValueError(f"unknown attention_backend {name!r}: expected 'auto', 'cpu', 'torch' or 'triton'")

@@ -24,16 +24,19 @@ class TorchBackend(AttentionBackend):
         nd = meta.num_decodes
         num_seqs = meta.seq_lens.shape[0]
         if nd == num_seqs:
-            return paged_decode_attention_ref(query, key_cache, value_cache, meta.block_tables,
-                                              meta.seq_lens, scale, meta.max_decode_seq_len)
+            return self.decode(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale,
+                               meta.max_decode_seq_len)
         out = torch.empty_like(query)
         if nd:
-            out[:nd] = paged_decode_attention_ref(query[:nd], key_cache, value_cache,
-                                                  meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                                                  meta.max_decode_seq_len)
+            out[:nd] = self.decode(query[:nd], key_cache, value_cache, meta.block_tables[:nd],
+                                   meta.seq_lens[:nd], scale, meta.max_decode_seq_len)
         out[nd:] = paged_prefill_attention_ref(query[nd:], key_cache, value_cache, meta.block_tables[nd:],
                                                meta.query_start_loc[nd:] - nd, meta.seq_lens[nd:], scale)
         return out
+
+    def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int) -> torch.Tensor:
+        return paged_decode_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len)
 
     def copy_blocks(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
                     block_mapping: torch.Tensor) -> None:
