@@ -10,8 +10,10 @@ ENV PYTHONUNBUFFERED=1 \
     STREAMER_CACHE=/cache
 
 # redis-server only for `docker run ... streamer up`; compose uses its own Redis container.
+# A C/C++ compiler at run time: Triton builds its GPU launcher with it, and the CPU attention
+# kernel is compiled on first use (without one the engine falls back to plain torch).
 RUN apt-get update \
- && apt-get install -y --no-install-recommends redis-server \
+ && apt-get install -y --no-install-recommends redis-server gcc g++ libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 
 # torch first, in its own layer: it is by far the largest and changes least often.
