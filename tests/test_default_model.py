@@ -82,7 +82,7 @@ def test_engine_answers_the_capital_of_france(smollm2: Path) -> None:
     """Our engine on the real model: greedy chat answer mentions Paris."""
     from streamer import LLM, SamplingParams
 
-    llm = LLM(model=str(smollm2), device="cpu", max_model_len=256)
+    llm = LLM(model=str(smollm2), device="cpu", max_model_len=256, num_kv_blocks=64)
     prompt = {"prompt_token_ids": llm.engine.render_chat(FRANCE)}
     out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].outputs[0]
     assert "Paris" in out.text, out.text
