@@ -72,10 +72,10 @@ class Session:
             self.closing = True
             writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)
-            for rid, w in self.requests.items():
+            unfinished, self.requests = self.requests, {}
+            for rid, w in unfinished.items():
                 self.hub.unwatch(w)
                 self.gw.cancel_later(rid)
-            self.requests.clear()
 
     # --- sending -----------------------------------------------------------------------------------
 
