@@ -217,3 +217,8 @@ def test_readme_test_command_is_what_ci_runs() -> None:
     assert ci == "bash .ci/install && python3 -m pytest"
     readme = (ROOT / "README.md").read_text()
     assert f"{ci}            # test" in readme and "bash .ci/install && streamer up" in readme
+
+
+def test_no_redis_server_installed_names_the_package(tmp_path: Path) -> None:
+    proc = streamer("up", "--port", "0", env={"PATH": str(Path(sys.executable).parent), "HOME": str(tmp_path)})
+    assert_friendly(proc, "redis-server not found", "apt-get install redis-server", "--redis")
