@@ -10,8 +10,8 @@ import torch
 from streamer.block_manager import BlockManager
 from streamer.config import EngineConfig
 from streamer.detokenizer import IncrementalDetokenizer
+from streamer.executor import make_executor
 from streamer.model_config import ModelConfig
-from streamer.model_runner import ModelRunner
 from streamer.outputs import CompletionOutput, RequestOutput
 from streamer.request import Request, Sequence
 from streamer.sampler import Sampler
@@ -41,7 +41,7 @@ class LLMEngine:
         self.model_config = ModelConfig.load(config.model, config.dtype, self.device, config.max_model_len)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_config.path))
         self.eos_token_ids = _eos_token_ids(self.model_config.path, self.tokenizer)
-        self.runner = ModelRunner(config, self.model_config, self.device, Sampler(self.eos_token_ids, config.seed))
+        self.runner = make_executor(config, self.model_config, self.device, Sampler(self.eos_token_ids, config.seed))
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
         # A sequence can never outgrow the whole cache, so cap its length there.
         self.max_model_len = min(self.model_config.max_model_len, self.runner.num_kv_blocks * config.block_size)
@@ -184,6 +184,10 @@ class LLMEngine:
                              finished=request.is_finished,
                              num_cached_tokens=min(s.num_cached_tokens for s in request.sequences),
                              prompt=request.prompt)
+
+    def shutdown(self) -> None:
+        """Stop the model's processes (tensor parallelism); the engine is unusable afterwards."""
+        self.runner.shutdown()
 
     # ---- introspection -----------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:

@@ -83,6 +83,9 @@ class ModelRunner:
             self.key_caches.append(attn.key_cache)
             self.value_caches.append(attn.value_cache)
 
+    def shutdown(self) -> None:
+        """Nothing to stop in-process; tensor-parallel executors join their ranks here."""
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
             mapping = torch.tensor(pairs, dtype=torch.long, device=self.device)
@@ -136,8 +139,11 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], SamplerOutput | None]:
-        """Run one step; returns the sequences that sampled, and what they sampled (in order)."""
+    def execute(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]] | None = None
+                ) -> tuple[list[ScheduledSeq], SamplerOutput | None]:
+        """Run one step: first the block copies (copy-on-write) the scheduler asked for, then the
+        model; returns the sequences that sampled, and what they sampled (in order)."""
+        self.copy_blocks(block_copies or [])
         inputs = self.prepare(scheduled)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sample_seqs:
