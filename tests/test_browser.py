@@ -1,0 +1,120 @@
+"""The chat page in a real headless Chromium (Debian's `chromium`, driven by Playwright; no browser
+download), against the gateway, the real worker and Redis."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from playwright.async_api import Page, async_playwright
+from redis_worker_helpers import read_events, running_worker, tokens_of, wait_for
+from test_gateway import config
+
+from workers.gateway import running_gateway
+
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+# Records the answer's text length and state at every animation frame where either changed: what
+# the user saw, paint by paint.
+PAINT_PROBE = """
+window.__paints = [];
+(function tick() {
+  const all = document.querySelectorAll('.msg.assistant');
+  const el = all[all.length - 1];
+  if (el) {
+    const sample = { len: el.querySelector('.text').textContent.length, state: el.dataset.state || '' };
+    const last = window.__paints[window.__paints.length - 1];
+    if (!last || last.len !== sample.len || last.state !== sample.state) window.__paints.push(sample);
+  }
+  requestAnimationFrame(tick);
+})();
+"""
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert path, "the browser test needs Chromium: apt-get install chromium (see .ci/install)"
+    return path
+
+
+async def settings(page: Page, **values: str) -> None:
+    for name, value in values.items():
+        await page.fill(f"#{name}", value)
+
+
+async def ask(page: Page, prompt: str) -> None:
+    await page.fill("#prompt", prompt)
+    await page.press("#prompt", "Enter")
+
+
+async def last_answer(page: Page) -> tuple[str, str, str]:
+    """(request id, state, text) of the newest assistant message."""
+    return await page.evaluate("""() => {
+        const all = document.querySelectorAll('.msg.assistant');
+        const el = all[all.length - 1];
+        return [el.dataset.id, el.dataset.state, el.querySelector('.text').textContent];
+    }""")
+
+
+@pytest.mark.anyio
+async def test_page_streams_stops_and_resumes_after_reload(llama_ckpt: Path, redis_url: str,
+                                                           tmp_path: Path) -> None:
+    async with running_worker(llama_ckpt, redis_url) as worker, running_gateway(config(redis_url)) as gw, \
+            async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=chromium(), args=CHROMIUM_ARGS)
+        page = await browser.new_page(viewport={"width": 1100, "height": 720})
+        page_errors: list[str] = []
+        page.on("pageerror", lambda e: page_errors.append(str(e)))
+        await page.add_init_script(PAINT_PROBE)
+        try:
+            await page.goto(gw.url)
+            await page.wait_for_selector("#status[data-status]")
+            # Long enough (greedy, EOS ignored) that stop lands mid-answer.
+            await settings(page, max_tokens="900", temperature="0", extra='{"ignore_eos": true}')
+            aborted_before = worker.engine.stats()["num_requests_aborted"]
+            await ask(page, "Tell me about paged attention")
+            # Several different paints while the answer is still streaming, then stop.
+            await page.wait_for_function(
+                "() => window.__paints.filter(p => p.state === 'streaming' && p.len > 0).length >= 3", timeout=30000)
+            await page.click("#stop")
+            await page.wait_for_selector(".msg.assistant[data-state=stopped]", timeout=15000)
+            paints = await page.evaluate("window.__paints")
+            streaming = [p["len"] for p in paints if p["state"] == "streaming" and p["len"] > 0]
+            assert len(set(streaming)) >= 2, paints
+            rid, _, text = await last_answer(page)
+            events = read_events(redis_url, rid)
+            assert events[-1]["finish_reason"] == "abort" and len(tokens_of(events)) < 900
+            assert text == "".join(e["text"] for e in events)
+            assert "stopped" in await page.inner_text(".msg.assistant .meta")
+            assert (await page.inner_text("#ttft")) != "–" and (await page.inner_text("#tps")) != "–"
+            # The worker's own stats: the request was aborted and its KV blocks are free again.
+            await wait_for(lambda: worker.engine.stats()["num_requests_aborted"] == aborted_before + 1,
+                           timeout=10)
+            await wait_for(lambda: worker.engine.stats()["kv_blocks_used"] == 0, timeout=10)
+
+            # A reload mid-answer: the page resumes the same request and ends with all of it.
+            await settings(page, max_tokens="400")
+            await ask(page, "And again, please")
+            await page.wait_for_function(
+                "() => window.__paints.filter(p => p.state === 'streaming' && p.len > 0).length >= 1", timeout=30000)
+            rid2, _, _ = await last_answer(page)
+            await page.reload()
+            await page.wait_for_selector(f".msg.assistant[data-id='{rid2}'][data-state=done]", timeout=30000)
+            _, _, text2 = await last_answer(page)
+            events2 = read_events(redis_url, rid2)
+            assert events2[-1]["finish_reason"] == "length" and len(tokens_of(events2)) == 400
+            assert text2 == "".join(e["text"] for e in events2)
+            assert await page.locator(".msg.user").count() == 2  # the conversation survived the reload
+            assert page_errors == []
+        except BaseException:
+            await page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
+            raise
+        finally:
+            await browser.close()
