@@ -376,37 +376,76 @@ class Worker:
 
     async def _generate(self, run: RunningJob, params: Any, state: ResumeState,
                         resume: list[list[int]] | None, admitted: list[bool]) -> None:
-        job = run.job
-        prompt: Any = job.prompt
-        if job.prompt_token_ids is not None:
-            prompt = {"prompt_token_ids": job.prompt_token_ids}
-        elif job.messages is not None:
+        prompt = await self._prompt(run)
+        if prompt is None:
+            return
+        try:
+            started = await self._admit(run, prompt, params, resume)
+        finally:
+            admitted[0] = True
+            self._admitted()
+        if started is not None:
+            stream, first = started
             try:
-                prompt = {"prompt_token_ids": self.engine.render_chat(job.messages)}
-            except ValueError as e:  # e.g. the checkpoint has no chat template
-                await self._fail(run, "invalid_request", str(e))
-                return
-        emitted = {k: len(v) for k, v in state.token_ids.items()}
-        reasons: dict[int, str] = {}
+                await self._relay(run, params, state, stream, first)
+            finally:
+                await stream.aclose()  # aborts the request in the engine unless it finished
+
+    async def _prompt(self, run: RunningJob) -> Any:
+        """The job's prompt as the engine takes it; None when the job was answered with an error."""
+        job = run.job
+        if job.prompt_token_ids is not None:
+            return {"prompt_token_ids": job.prompt_token_ids}
+        if job.messages is None:
+            return job.prompt
+        try:
+            return {"prompt_token_ids": self.engine.render_chat(job.messages)}
+        except ValueError as e:  # e.g. the checkpoint has no chat template
+            await self._fail(run, "invalid_request", str(e))
+            return None
+
+    async def _admit(self, run: RunningJob, prompt: Any, params: Any,
+                     resume: list[list[int]] | None) -> tuple[Any, Any] | None:
+        """Hand the job to the engine: (output stream, first output), or None when it was answered
+        instead (rejected by the engine, or its deadline passed before it started)."""
+        job = run.job
+        deadline = job.deadline if resume is None else None  # a resumed job has started already
         backoff_s = 0.05
         while True:
             stream = self.engine.generate(prompt, params, job.id, priority=job.priority,
                                           resume_token_ids=resume)
             try:
-                first = await self._first_output(stream, job.deadline if resume is None else None)
-                break
+                first = await self._first_output(stream, deadline)
             except QueueFullError:  # admission raced with other load: the job waits, still ours
                 await anyio.sleep(backoff_s)
                 backoff_s = min(1.0, backoff_s * 2)
+                continue
             except ValueError as e:  # prompt too long for the model and the like
                 await self._fail(run, "invalid_request", str(e))
-                return
-        admitted[0] = True
-        self._admitted()
-        if first is None:
-            self._emit(run, [], error=ProtocolError("expired", "the deadline passed before the job started"))
-            return
-        out = first
+                return None
+            except BaseException:
+                # Interrupted while the engine was taking it: make sure it does not run unwatched.
+                self.engine.abort(job.id)
+                raise
+            if first is None:
+                self.engine.abort(job.id)
+                self._emit(run, [], error=ProtocolError("expired", "the deadline passed before the job started"))
+                return None
+            return stream, first
+
+    async def _first_output(self, stream: Any, deadline_ms: int | None) -> Any:
+        """The stream's first output; None when `deadline_ms` passes first."""
+        if deadline_ms is None:
+            return await anext(stream)
+        with anyio.move_on_after(max(0.0, deadline_ms / 1000 - time.time())):
+            return await anext(stream)
+        return None
+
+    async def _relay(self, run: RunningJob, params: Any, state: ResumeState, stream: Any, out: Any) -> None:
+        """Engine outputs -> events, one event per sample per step, until the request finishes."""
+        job = run.job
+        emitted = {k: len(v) for k, v in state.token_ids.items()}  # counts include a resumed run's
+        reasons: dict[int, str] = {}
         while True:
             events = []
             for c in out.outputs:
@@ -417,10 +456,9 @@ class Worker:
                 if c.finish_reason is not None:
                     reasons[c.index] = c.finish_reason
             if out.finished:
-                n = params.n
                 usage = _usage(len(out.prompt_token_ids), sum(emitted.values()), out.num_cached_tokens)
                 events.append(done_event(job.id, run.next_seq + len(events),
-                                         [reasons.get(k, "abort") for k in range(n)], usage))
+                                         [reasons.get(k, "abort") for k in range(params.n)], usage))
                 self._emit(run, events)
                 return
             if events:
@@ -428,15 +466,6 @@ class Worker:
             out = await anext(stream, None)
             if out is None:
                 raise RuntimeError("engine stream ended without a finished output")
-
-    async def _first_output(self, stream: Any, deadline_ms: int | None) -> Any:
-        """The stream's first output; None when `deadline_ms` passes first (the request is aborted)."""
-        if deadline_ms is None:
-            return await anext(stream)
-        with anyio.move_on_after(max(0.0, deadline_ms / 1000 - time.time())):
-            return await anext(stream)
-        await stream.aclose()
-        return None
 
     # ---- answers ---------------------------------------------------------------------------------
 
