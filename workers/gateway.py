@@ -212,6 +212,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-ttl", type=float, default=d.request_ttl_s,
                         help="seconds the gateway's id claims and cancel markers live in Redis")
     parser.add_argument("--web-root", type=Path, default=d.web_root, help="directory of the chat page")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
 
 
 def _read_keys(path: Path | None) -> list[str]:
@@ -237,27 +238,19 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # websockets logs every HTTP response (health probes, page loads) at INFO.
+    logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.getLogger().level))
 
     async def main() -> None:
-        task = asyncio.current_task()
+        stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)  # type: ignore[union-attr]
-        started = asyncio.Event()
-        serving = asyncio.ensure_future(serve(config, started))
-        await asyncio.wait([serving, asyncio.ensure_future(started.wait())],
-                           return_when=asyncio.FIRST_COMPLETED)
-        if started.is_set():
-            print(f"streamer gateway: chat page http://{config.host}:{config.port}/ "
-                  f"(WebSocket ws://{config.host}:{config.port}{WS_PATH})", flush=True)
-        try:
-            await serving
-        except asyncio.CancelledError:
-            serving.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await serving
+            loop.add_signal_handler(sig, stop.set)
+        async with running_gateway(config) as gw:
+            print(f"streamer gateway: chat page {gw.url} (WebSocket {gw.ws_url})", flush=True)
+            await stop.wait()
+            log.info("stopping: open sockets are closed, their requests keep running for a resume")
 
-    with contextlib.suppress(asyncio.CancelledError):
-        asyncio.run(main())
+    asyncio.run(main())
     return 0
