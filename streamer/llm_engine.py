@@ -42,7 +42,7 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_config.path))
         self.eos_token_ids = _eos_token_ids(self.model_config.path, self.tokenizer)
         self.runner = make_executor(config, self.model_config, self.device, Sampler(self.eos_token_ids, config.seed))
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         # A sequence can never outgrow the whole cache, so cap its length there.
         self.max_model_len = min(self.model_config.max_model_len, self.runner.num_kv_blocks * config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -93,12 +93,16 @@ class LLMEngine:
         resume = resume_token_ids or []
         if len(resume) > params.n:
             raise ValueError("resume_token_ids has more entries than the request has samples")
-        self.scheduler.check_room(params.n, len(tokens))
+        self.scheduler.check_room(1 if not resume else params.n, len(tokens))
         seqs = [self._new_sequence(request_id, i, tokens, params, priority,
                                    resume[i] if i < len(resume) else []) for i in range(params.n)]
         self.requests[request_id] = Request(request_id, tokens, params, seqs, text)
-        for seq in seqs:
-            self.scheduler.add(seq)
+        if resume:  # samples already diverged: each recomputes its own tokens (prefix cache shares)
+            for seq in seqs:
+                self.scheduler.add(seq)
+        else:  # only the first sample computes the prompt; the others fork from it (shared blocks)
+            seqs[0].pending_forks = seqs[1:]
+            self.scheduler.add(seqs[0])
 
     def _new_sequence(self, request_id: str, index: int, tokens: list[int], params: SamplingParams,
                       priority: int, resumed: list[int]) -> Sequence:
@@ -128,7 +132,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs
-        sampled, result = self.runner.execute(sched.scheduled)
+        sampled, result = self.runner.execute(sched.scheduled, sched.block_copies)
         self.counters["num_steps"] += 1
         self.counters["max_step_tokens"] = max(self.counters["max_step_tokens"], sched.num_tokens)
         self._count_step_shape(sched.scheduled)
@@ -137,10 +141,12 @@ class LLMEngine:
             self.counters["prompt_tokens_computed"] += max(0, min(start + item.num_new_tokens,
                                                                   seq.num_prompt_tokens) - start)
             seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            self._fork(item)
         touched: dict[str, list[Sequence]] = {}
-        for i, item in enumerate(sampled):
-            self._append_token(item.seq, result.token_ids[i], result.logprobs[i])
-            touched.setdefault(item.seq.request_id, []).append(item.seq)
+        for i, seq in enumerate(sampled):
+            self._append_token(seq, result.token_ids[i], result.logprobs[i])
+            touched.setdefault(seq.request_id, []).append(seq)
         for request_id, seqs in touched.items():
             request = self.requests[request_id]
             outputs.append(self._output(request, seqs))
@@ -148,6 +154,14 @@ class LLMEngine:
                 del self.requests[request_id]
                 self.counters["num_requests_finished"] += 1
         return outputs
+
+    def _fork(self, item: ScheduledSeq) -> None:
+        """Parallel samples share the computed prompt's blocks; the first divergent write into
+        the shared, partly filled last block copies it (see BlockManager.allocate)."""
+        for child in item.forks:
+            self.block_manager.fork(item.seq, child)
+            self.scheduler.start_running(child)
+        item.seq.pending_forks = []
 
     def _count_step_shape(self, scheduled: list[ScheduledSeq]) -> None:
         """Count steps mixing prefill and decode work, and prompt chunks cut short by the budget."""
@@ -212,6 +226,8 @@ class LLMEngine:
             "kv_blocks_free": self.block_manager.num_free_blocks,
             "kv_utilization": self.block_manager.utilization(running),
             "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_hit_tokens": self.scheduler.prefix_cache_hit_tokens,
+            "prefix_cache_query_tokens": self.scheduler.prefix_cache_query_tokens,
             "block_size": self.config.block_size,
             "max_model_len": self.max_model_len,
             "device": str(self.device),

@@ -13,6 +13,7 @@ from streamer.config import EngineConfig
 from streamer.model_config import ModelConfig
 from streamer.model_loader import load_weights
 from streamer.models.llama import LlamaForCausalLM
+from streamer.request import Sequence
 from streamer.sampler import Sampler, SamplerOutput
 from streamer.scheduler import ScheduledSeq
 
@@ -25,7 +26,7 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # index into the flat tokens of each sequence's last new token
-    sample_seqs: list[ScheduledSeq]
+    sample_seqs: list[Sequence]
 
 
 class ModelRunner:
@@ -102,7 +103,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         sample_rows: list[int] = []
-        sample_seqs: list[ScheduledSeq] = []
+        sample_seqs: list[Sequence] = []
         for item in batch:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
@@ -114,8 +115,10 @@ class ModelRunner:
             seq_lens.append(end)
             tables.append(blocks)
             if item.samples:
-                sample_rows.append(starts[-1] - 1)
-                sample_seqs.append(item)
+                # Forked siblings (parallel samples) draw their first token from the same row.
+                for sampler_seq in (item.seq, *item.forks):
+                    sample_rows.append(starts[-1] - 1)
+                    sample_seqs.append(sampler_seq)
         num_decodes = sum(1 for s in batch if s.num_new_tokens == 1)
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
@@ -140,7 +143,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]] | None = None
-                ) -> tuple[list[ScheduledSeq], SamplerOutput | None]:
+                ) -> tuple[list[Sequence], SamplerOutput | None]:
         """Run one step: first the block copies (copy-on-write) the scheduler asked for, then the
         model; returns the sequences that sampled, and what they sampled (in order)."""
         self.copy_blocks(block_copies or [])
@@ -149,7 +152,7 @@ class ModelRunner:
         if not inputs.sample_seqs:
             return [], None
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        return inputs.sample_seqs, self.sampler(logits, [s.seq for s in inputs.sample_seqs])
+        return inputs.sample_seqs, self.sampler(logits, inputs.sample_seqs)
 
 
 def _available_memory() -> int:

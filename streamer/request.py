@@ -39,12 +39,15 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of its full computed blocks
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     num_preemptions: int = 0
+    # Siblings of a parallel-sampling request, forked from this one once its prompt is computed.
+    pending_forks: list[Sequence] = field(default_factory=list)
     # Generated since the last output was handed to the caller (deltas).
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[dict[int, float]] = field(default_factory=list)

@@ -18,8 +18,9 @@ class SamplerOutput:
 
 def _derived_seed(seed: int, index: int, position: int) -> int:
     """A seed per (request seed, sample, output position), so a request resumed elsewhere, or
-    batched differently, draws exactly the same tokens."""
-    digest = hashlib.blake2b(f"{seed}:{index}:{position}".encode(), digest_size=8).digest()
+    batched differently, draws exactly the same tokens. Sample i of a request seeded s draws
+    what a single-sample request seeded s + i draws."""
+    digest = hashlib.blake2b(f"{seed + index}:{position}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 

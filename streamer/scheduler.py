@@ -21,6 +21,7 @@ from streamer.request import SeqStatus, Sequence
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
+    forks: list[Sequence] = field(default_factory=list)  # siblings that sample from this row
 
     @property
     def samples(self) -> bool:
@@ -32,6 +33,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the forward
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +87,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
         self.num_waiting_tokens = 0
+        self.prefix_cache_hit_tokens = 0
+        self.prefix_cache_query_tokens = 0
 
     def check_room(self, num_seqs: int, num_tokens: int) -> None:
         """Raise QueueFullError if `num_seqs` sequences of `num_tokens` tokens would not fit."""
@@ -104,6 +108,10 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        for item in out.scheduled:
+            if item.samples and item.seq.pending_forks:
+                item.forks = item.seq.pending_forks
+        out.block_copies = self.block_manager.take_copies()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -126,9 +134,17 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.peek()
+            cached = self.block_manager.match_prefix(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.block_manager.allocate(seq, num_new):
+                self.block_manager.free(seq)  # give the prefix hits back; retried next step
+                seq.num_computed_tokens = 0
                 break
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = cached
+            if self.block_manager.enable_prefix_caching:
+                self.prefix_cache_query_tokens += seq.num_prompt_tokens
+                self.prefix_cache_hit_tokens += min(cached, seq.num_prompt_tokens)
             self.waiting.pop()
             self.num_waiting_tokens -= seq.num_tokens
             seq.status = SeqStatus.RUNNING
@@ -144,6 +160,11 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.push(seq, front=True)
         self.num_waiting_tokens += seq.num_tokens
+
+    def start_running(self, seq: Sequence) -> None:
+        """A sequence forked from a running one joins the running set directly."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Take a finished (or aborted) sequence out of the queues and free its blocks."""
