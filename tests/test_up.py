@@ -74,9 +74,13 @@ class Up:
         return self.proc.wait(timeout)
 
     def kill(self) -> None:
+        """Cleanup after a failed test: Ctrl-C first, so that up stops its children itself."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            try:
+                self.ctrl_c(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
 
 
 def children_of(pid: int) -> list[int]:
@@ -210,3 +214,26 @@ def test_up_with_an_existing_redis_leaves_it_running(llama_ckpt: Path, redis_ser
     finally:
         up.kill()
         client.close()
+
+
+def test_killing_up_takes_its_children_along(llama_ckpt: Path) -> None:
+    """SIGKILL cannot be handled, yet no worker, gateway or redis-server outlives `up`."""
+    port = free_port()
+    up = Up("--port", str(port), "--device", "cpu", "--model", str(llama_ckpt), env={})
+    pids: list[int] = []
+    try:
+        redis_port = int(up.wait_for(r"redis://127\.0\.0\.1:(\d+)/0", 30).group(1))
+        up.wait_for(r"Press Ctrl-C to stop", 120)
+        pids = children_of(up.proc.pid)
+        assert len(pids) == 3
+        os.kill(up.proc.pid, signal.SIGKILL)
+        up.proc.wait(10)
+        deadline = time.monotonic() + 45
+        while time.monotonic() < deadline and [p for p in pids if alive(p)]:
+            time.sleep(0.2)
+        assert not [p for p in pids if alive(p)]
+        assert not port_open(port) and not port_open(redis_port)
+    finally:
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)

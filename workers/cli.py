@@ -14,7 +14,10 @@ import argparse
 import importlib
 import os
 import shlex
+import signal
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
@@ -29,6 +32,8 @@ from workers.errors import (  # noqa: F401  (re-exported for command modules)
 )
 
 ENV_PREFIX = "STREAMER_"
+# Set by `streamer up` for its children (not an option: no STREAMER_ prefix).
+PARENT_PID_ENV = "_STREAMER_PARENT_PID"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -219,6 +224,21 @@ def explain(exc: BaseException, redis_url: str | None = None) -> str | None:
     return None
 
 
+def exit_with_parent() -> None:
+    """In a child of `streamer up`: shut down cleanly (SIGTERM to ourselves) if `up` dies without
+    stopping us, e.g. on SIGKILL, so that no worker or gateway is left running on its own."""
+    pid = os.environ.pop(PARENT_PID_ENV, "")
+    if not pid.isdigit():
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(pid):
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def _fail(prog: str, msg: str) -> int:
     print(f"{prog}: error: {msg}", file=sys.stderr)
     return 2
@@ -233,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = argv[0]
     prog = f"streamer {name}"
+    exit_with_parent()
     args = None
     try:
         parser = command_parser(name)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -37,6 +39,21 @@ def _wait_ready(port: int, timeout: float) -> None:
     raise TimeoutError(f"redis-server on port {port} did not answer within {timeout}s")
 
 
+def _parent_death_signal():
+    """A preexec_fn asking the kernel for SIGTERM when our parent dies (Linux), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+    return preexec
+
+
 @dataclass
 class RedisServer:
     """A redis-server child process. `appendonly` keeps data across `restart()` (AOF on disk)."""
@@ -49,6 +66,10 @@ class RedisServer:
     # In its own session the server does not get the terminal's Ctrl-C, so its owner (`streamer
     # up`) can stop it last, after the processes that use it.
     new_session: bool = False
+    # Linux: the kernel stops the server when the process that started it dies, even by SIGKILL.
+    # Only for a single-threaded owner (`streamer up` starts Redis first): it runs code between
+    # fork and exec.
+    die_with_parent: bool = False
 
     @property
     def url(self) -> str:
@@ -69,7 +90,8 @@ class RedisServer:
         if self.password:
             args += ["--requirepass", self.password]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=self.new_session)
+                                     start_new_session=self.new_session,
+                                     preexec_fn=_parent_death_signal() if self.die_with_parent else None)
         try:
             _wait_ready(self.port, timeout) if not self.password else time.sleep(0.3)
         except TimeoutError:

@@ -27,6 +27,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from workers.cli import PARENT_PID_ENV
 from workers.errors import PortInUse, RedisUnavailable, UserError, redact_url, redis_hint
 
 STOP_TIMEOUT_S = 15.0
@@ -61,7 +62,8 @@ class Child:
 
     def start(self) -> Child:
         cmd = [sys.executable, "-m", "workers.cli", *self.argv]
-        self.proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, **self.env})
+        env = {**os.environ, **self.env, PARENT_PID_ENV: str(os.getpid())}
+        self.proc = subprocess.Popen(cmd, start_new_session=True, env=env)
         return self
 
     def exited(self) -> int | None:
@@ -217,8 +219,9 @@ def run(args: argparse.Namespace) -> int:
                 redis_url = args.redis
                 check_redis(redis_url)
             else:
-                redis_server = RedisServer(new_session=True)  # assigned first: Ctrl-C during
-                redis_server.start()                           # start() must still stop it
+                # Assigned before start(): a Ctrl-C during start() must still stop it.
+                redis_server = RedisServer(new_session=True, die_with_parent=True)
+                redis_server.start()
                 redis_url = redis_server.url
                 print(f"      {redis_url}", flush=True)
 
