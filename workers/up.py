@@ -31,6 +31,7 @@ from workers.cli import PARENT_PID_ENV
 from workers.errors import PortInUse, RedisUnavailable, UserError, redact_url, redis_hint
 
 STOP_TIMEOUT_S = 15.0
+WORKER_GRACE_S = 3.0  # < STOP_TIMEOUT_S: the worker exits by itself before being killed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -233,7 +234,10 @@ def run(args: argparse.Namespace) -> int:
 
         device = best_device(args.device)
         # The Redis URL goes by environment, not argv: a password in it stays out of `ps`.
-        child_env = {"STREAMER_REDIS": redis_url}
+        # On Ctrl-C the gateway is already gone when the worker stops: nobody reads the rest of
+        # its answers, so it need not wait long for them (unless STREAMER_GRACE says otherwise).
+        child_env = {"STREAMER_REDIS": redis_url,
+                     "STREAMER_GRACE": os.environ.get("STREAMER_GRACE") or str(WORKER_GRACE_S)}
         with phases.phase("worker", f"Worker: loading the model on {device}"):
             # With a shared Redis other workers may be there already: wait for a new heartbeat.
             before = worker_keys(redis_url, args.prefix)
