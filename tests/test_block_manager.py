@@ -10,33 +10,34 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from streamer.block_manager import BlockManager
 from streamer.detokenizer import IncrementalDetokenizer
-from streamer.request import Sequence
+from streamer.request import SeqStatus, Sequence
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler import Scheduler
 
 NUM_BLOCKS, BLOCK_SIZE = 24, 4
 
 
-def make_seq(n_tokens: int) -> Sequence:
+def make_seq(n_tokens: int, first: int = 1) -> Sequence:
     params = SamplingParams(max_tokens=1000)
-    prompt = list(range(1, n_tokens + 1))
+    prompt = list(range(first, first + n_tokens))
     return Sequence(request_id=f"r{n_tokens}", index=0, token_ids=prompt, num_prompt_tokens=n_tokens,
                     params=params, detokenizer=IncrementalDetokenizer(None, prompt, params))
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Drives the real scheduler + block manager: add, step (compute and append a token), abort."""
+    """Drives the real scheduler + block manager with prefix caching: add (prompts from a few
+    shared starts, so cache hits happen), step (compute and append a token), fork, abort."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
+        self.bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True)
         self.sched = Scheduler(self.bm, max_num_seqs=6, max_num_batched_tokens=10, max_model_len=60,
                                max_waiting_requests=100, max_waiting_tokens=None)
         self.live: list[Sequence] = []
 
-    @rule(n=st.integers(1, 30))
-    def add(self, n: int) -> None:
-        seq = make_seq(n)
+    @rule(n=st.integers(1, 30), first=st.sampled_from([1, 1, 5]))
+    def add(self, n: int, first: int) -> None:
+        seq = make_seq(n, first)
         self.sched.add(seq)
         self.live.append(seq)
 
@@ -48,11 +49,23 @@ class SchedulerMachine(RuleBasedStateMachine):
             seq = item.seq
             assert len(seq.block_ids) * BLOCK_SIZE >= seq.num_computed_tokens + item.num_new_tokens
             seq.num_computed_tokens += item.num_new_tokens
+            self.bm.cache_full_blocks(seq)
             if item.samples:
                 seq.token_ids.append(7)
                 if seq.num_tokens >= 40:
                     self.sched.finish(seq)
                     self.live.remove(seq)
+
+    @precondition(lambda self: any(s.status is SeqStatus.RUNNING for s in self.live))
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parent = data.draw(st.sampled_from([s for s in self.live if s.status is SeqStatus.RUNNING]))
+        child = make_seq(1)
+        child.token_ids = list(parent.token_ids)
+        child.num_prompt_tokens = parent.num_prompt_tokens
+        self.bm.fork(parent, child)
+        self.sched.start_running(child)
+        self.live.append(child)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -76,6 +89,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         # Blocks are taken exactly for the tokens computed so far: no block is ever empty.
         for s in self.live:
             assert len(s.block_ids) == -(-s.num_computed_tokens // BLOCK_SIZE)
+
+    @invariant()
+    def cache_index_is_consistent(self) -> None:
+        for h, block_id in self.bm.cached.items():
+            assert self.bm.blocks[block_id].block_hash == h
 
     def teardown(self) -> None:
         for seq in list(self.live):

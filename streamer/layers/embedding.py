@@ -8,14 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from streamer.distributed.parallel_state import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
+from streamer.distributed.parallel_state import get_tp_group
 from streamer.layers.linear import narrow
 
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.tp = get_tp_group()
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.vocab_size = vocab_size
         # Pad so every rank has the same slice; padded rows are never looked up or sampled.
         self.per_rank = -(-vocab_size // self.tp_size)
@@ -33,11 +34,11 @@ class VocabParallelEmbedding(nn.Module):
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return all_reduce(out.masked_fill(outside[:, None], 0.0))
+        return self.tp.all_reduce(out.masked_fill(outside[:, None], 0.0))
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """Logits `[N, vocab]`, gathered from all ranks."""
-        logits = all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
         return logits[:, : self.vocab_size]

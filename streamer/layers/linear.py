@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from streamer.distributed.parallel_state import all_reduce, divide, get_tp_rank, get_tp_size
+from streamer.distributed.parallel_state import divide, get_tp_group, get_tp_size
 
 
 def narrow(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
@@ -32,7 +32,8 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.tp = get_tp_group()
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.output_size_per_rank = divide(output_size, self.tp_size)
         self.weight = _param(self.output_size_per_rank, input_size)
         self.weight.weight_loader = self.weight_loader
@@ -95,7 +96,8 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.tp = get_tp_group()
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.input_size_per_rank = divide(input_size, self.tp_size)
         self.weight = _param(output_size, self.input_size_per_rank)
         self.weight.weight_loader = self.weight_loader
@@ -111,5 +113,5 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(full(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
