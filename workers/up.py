@@ -6,8 +6,10 @@ Then it prints the chat page URL and waits. Ctrl-C (or SIGTERM/SIGHUP) stops the
 the worker, then Redis, and exits.
 
 Worker and gateway are child processes started in their own sessions: the terminal's Ctrl-C
-reaches only this process, which stops them in order (the gateway before the Redis it talks to).
-Any other STREAMER_* variable in the environment reaches them too, e.g.
+reaches only this process, which stops them in order (the gateway before the Redis it talks to);
+a second Ctrl-C kills them at once. Should this process die without stopping them (SIGKILL), they
+follow: worker and gateway watch their parent (workers/cli.py), and the kernel stops the private
+redis-server (parent-death signal). Any other STREAMER_* variable in the environment reaches them too, e.g.
 `STREAMER_MAX_MODEL_LEN=2048 streamer up`.
 """
 
