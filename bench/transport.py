@@ -2,6 +2,7 @@
 client) and through an in-process AsyncEngine, side by side.
 
     python bench/transport.py [--model tiny|bench|PATH] [--requests 32] [--prompt-len 64] [--max-tokens 64]
+                              [--encoding msgpack|json] [--repeat 3]
 
 Per request it records the time to first token (from submit to the first token in the caller's
 hands) and the gaps between later token arrivals (per-token latency); prints p50/p99 of both and
@@ -58,63 +59,79 @@ def engine_options(args: argparse.Namespace) -> dict:
     return {"max_num_seqs": max(args.requests, 8), "num_kv_blocks": args.kv_blocks, "dtype": args.dtype}
 
 
-async def run_in_process(ckpt: Path, work: list[list[int]], args: argparse.Namespace) -> dict:
-    from streamer import AsyncEngine, EngineConfig, SamplingParams
+async def run_in_process(engine, work: list[list[int]], args: argparse.Namespace, rep: int) -> dict:  # noqa: ANN001
+    from streamer import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    async with AsyncEngine(EngineConfig(model=str(ckpt), **engine_options(args))) as engine:
-        async for _ in engine.generate({"prompt_token_ids": work[0][:8]}, params, "warm-up"):
-            pass
-        traces = [Trace(time.perf_counter()) for _ in work]
-        start = time.perf_counter()
+    traces = [Trace(0.0) for _ in work]
+    start = time.perf_counter()
 
-        async def one(i: int) -> None:
-            traces[i].submitted = time.perf_counter()
-            async for out in engine.generate({"prompt_token_ids": work[i]}, params, f"r{i}"):
-                traces[i].token(len(out.outputs[0].token_ids))
+    async def one(i: int) -> None:
+        traces[i].submitted = time.perf_counter()
+        async for out in engine.generate({"prompt_token_ids": work[i]}, params, f"rep{rep}-{i}"):
+            traces[i].token(len(out.outputs[0].token_ids))
 
-        await asyncio.gather(*(one(i) for i in range(len(work))))
-        return summarize("in-process AsyncEngine", traces, time.perf_counter() - start)
+    await asyncio.gather(*(one(i) for i in range(len(work))))
+    return summarize("in-process AsyncEngine", traces, time.perf_counter() - start)
 
 
-async def run_redis(ckpt: Path, work: list[list[int]], args: argparse.Namespace, url: str) -> dict:
-    import redis.asyncio as aioredis
+async def run_redis(client, work: list[list[int]], args: argparse.Namespace) -> dict:  # noqa: ANN001
+    params = {"max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True}
+    traces = [Trace(0.0) for _ in work]
+    start = time.perf_counter()
 
-    from clients.redis_client import AsyncClient
+    async def one(i: int) -> None:
+        traces[i].submitted = time.perf_counter()
+        rid = await client.submit(prompt_token_ids=work[i], params=params)
+        async for event in client.stream(rid, timeout=300):
+            if event["type"] == "error":
+                raise RuntimeError(f"request failed: {event}")
+            if event["token_ids"]:
+                traces[i].token(len(event["token_ids"]))
 
+    await asyncio.gather(*(one(i) for i in range(len(work))))
+    return summarize(f"Redis worker ({args.encoding})", traces, time.perf_counter() - start)
+
+
+def start_worker(ckpt: Path, url: str, args: argparse.Namespace) -> subprocess.Popen:
     opts = engine_options(args)
     cmd = [sys.executable, "-m", "workers.cli", "worker", "--model", str(ckpt), "--redis", url,
            "--max-num-seqs", str(opts["max_num_seqs"]), "--log-level", "WARNING"]
     cmd += ["--num-kv-blocks", str(args.kv_blocks)] if args.kv_blocks else []
     cmd += ["--dtype", args.dtype] if args.dtype else []
-    worker = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    params = {"max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True}
+    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+async def run_both(ckpt: Path, work: list[list[int]], args: argparse.Namespace, url: str) -> list[dict]:
+    """Alternate the two paths `--repeat` times (so background load hits both alike); per path,
+    the run with the median throughput."""
+    import redis.asyncio as aioredis
+
+    from clients.redis_client import AsyncClient
+    from streamer import AsyncEngine, EngineConfig, SamplingParams
+
+    worker = start_worker(ckpt, url, args)
+    runs: dict[str, list[dict]] = {"local": [], "redis": []}
+    warm = {"prompt_token_ids": work[0][:8]}
     try:
-        probe = aioredis.Redis.from_url(url)
-        while not await probe.keys("llm:worker:*"):
-            if worker.poll() is not None:
-                raise RuntimeError("the worker exited during start-up")
-            await asyncio.sleep(0.1)
-        await probe.aclose()
-        async with AsyncClient(url, encoding=args.encoding) as client:
-            await client.generate(prompt_token_ids=work[0][:8], params=params, timeout=120)  # warm-up
-            traces = [Trace(0.0) for _ in work]
-            start = time.perf_counter()
-
-            async def one(i: int) -> None:
-                traces[i].submitted = time.perf_counter()
-                rid = await client.submit(prompt_token_ids=work[i], params=params)
-                async for event in client.stream(rid, timeout=300):
-                    if event["type"] == "error":
-                        raise RuntimeError(f"request failed: {event}")
-                    if event["token_ids"]:
-                        traces[i].token(len(event["token_ids"]))
-
-            await asyncio.gather(*(one(i) for i in range(len(work))))
-            return summarize(f"Redis worker ({args.encoding})", traces, time.perf_counter() - start)
+        async with AsyncEngine(EngineConfig(model=str(ckpt), **engine_options(args))) as engine, \
+                AsyncClient(url, encoding=args.encoding) as client:
+            async for _ in engine.generate(warm, SamplingParams(max_tokens=4), "warm-up"):
+                pass
+            probe = aioredis.Redis.from_url(url)
+            while not await probe.keys("llm:worker:*"):
+                if worker.poll() is not None:
+                    raise RuntimeError("the worker exited during start-up")
+                await asyncio.sleep(0.1)
+            await probe.aclose()
+            await client.generate(**warm, params={"max_tokens": 4}, timeout=120)
+            for rep in range(args.repeat):
+                runs["local"].append(await run_in_process(engine, work, args, rep))
+                runs["redis"].append(await run_redis(client, work, args))
     finally:
         worker.terminate()
         worker.wait(60)
+    return [sorted(r, key=lambda x: x["tokens_per_s"])[len(r) // 2] for r in runs.values()]
 
 
 def table(rows: list[dict]) -> str:
@@ -148,6 +165,7 @@ def main() -> None:
     parser.add_argument("--kv-blocks", type=int, default=None, help="KV cache blocks (default: sized by the engine)")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--encoding", choices=("json", "msgpack"), default="msgpack")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per path; the median one is shown")
     parser.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "streamer-bench"))
     args = parser.parse_args()
 
@@ -159,11 +177,10 @@ def main() -> None:
     vocab = AutoConfig.from_pretrained(ckpt).vocab_size
     work = make_workload(args.requests, vocab, mean_prompt=args.prompt_len, min_out=args.max_tokens,
                          max_out=args.max_tokens).prompts
-    rows = [asyncio.run(run_in_process(ckpt, work, args))]
     with RedisServer() as server:
-        rows.append(asyncio.run(run_redis(ckpt, work, args, server.url)))
+        rows = asyncio.run(run_both(ckpt, work, args, server.url))
     print(f"model {ckpt.name}, {args.requests} requests, ~{args.prompt_len} prompt tokens, "
-          f"{args.max_tokens} output tokens each, {os.cpu_count()} CPUs\n")
+          f"{args.max_tokens} output tokens each, {os.cpu_count()} CPUs, median of {args.repeat} runs\n")
     print(table(rows))
 
 
