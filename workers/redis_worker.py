@@ -43,6 +43,7 @@ from workers.protocol import (
 from workers.resume import ResumeState, resume_state
 
 log = logging.getLogger("streamer.worker")
+_DEAD_PAYLOAD_BYTES = 64 * 1024
 
 # Refresh the idle time of our own pending entries, but only those still ours: an entry another
 # worker has taken over (we were presumed dead) must not be stolen back. Returns the ids we lost.
@@ -510,7 +511,10 @@ class Worker:
         if error.request_id is not None:
             entry["id"] = error.request_id
         for key, value in (fields or {}).items():
-            entry[f"payload_{_s(key)}"] = value
+            # Keep enough to diagnose; an oversized payload is not copied whole.
+            entry[f"payload_{_s(key)}"] = value[:_DEAD_PAYLOAD_BYTES]
+            if len(value) > _DEAD_PAYLOAD_BYTES:
+                entry["payload_bytes"] = len(value)
         await self._retry("dead letter", self.redis.xadd, self.names.dead, entry, maxlen=100_000,
                           approximate=True)
 
