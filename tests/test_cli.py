@@ -122,6 +122,18 @@ def test_env_var_reaches_a_real_command() -> None:
     assert_friendly(streamer("up", env={"STREAMER_PORT": "x"}), "STREAMER_PORT='x'")
 
 
+def test_a_variable_shared_by_commands_means_the_same_to_each() -> None:
+    """One exported STREAMER_X must not be valid for one command and break another."""
+    seen: dict[str, tuple[str, tuple]] = {}
+    for name in COMMANDS:
+        for action in option_actions(command_parser(name)):
+            # The one intended difference: up's --redis has no default (it starts a private server).
+            default = None if action.dest == "redis" else action.default
+            shape = (type(action).__name__, action.type or str, action.nargs, action.choices, default)
+            first = seen.setdefault(env_name(action), (name, shape))
+            assert first[1] == shape, (env_name(action), first, (name, shape))
+
+
 def test_readme_documents_every_environment_variable() -> None:
     """The README's configuration table is `env_table()` verbatim (regenerate it when options change:
     python3 -c "from workers.cli import env_table; print(env_table())")."""

@@ -46,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix", default="llm", help="prefix of every Redis name (worker and gateway)")
     parser.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
     parser.add_argument("--port", type=int, default=8000, help="gateway port (0: any free port)")
-    parser.add_argument("--device", default="auto", help="device for the worker: auto (CUDA if "
-                                                         "available, else CPU), cuda, cpu")
+    parser.add_argument("--device", default=None, help="device for the worker: cpu, cuda or cuda:N "
+                                                       "(default: CUDA if available, else CPU)")
     parser.add_argument("--startup-timeout", type=float, default=900.0,
                         help="seconds to wait for the worker to load the model")
 
@@ -132,8 +132,8 @@ def check_port_free(host: str, port: int) -> None:
             raise UserError(f"cannot listen on {host}:{port} ({exc.strerror}): check --host") from exc
 
 
-def best_device(requested: str) -> str:
-    if requested != "auto":
+def best_device(requested: str | None) -> str:
+    if requested:
         return requested
     import torch
 
