@@ -50,9 +50,11 @@ def worker_process(ckpt: Path, redis_url: str, *extra: str, log_path: Path | Non
     args = [sys.executable, "-m", "workers.cli", "worker", "--model", str(ckpt), "--redis", redis_url,
             "--num-kv-blocks", str(ENGINE["num_kv_blocks"]), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
             *extra]
-    out = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115 (closed with the child)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(args, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+    if log_path is None:
+        return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env)
+    with open(log_path, "wb") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(args, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 def offline_tokens(ckpt: Path, prompts: list[Any], params: SamplingParams) -> list[list[int]]:
