@@ -52,6 +52,8 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+        # Tensor-parallel ranks are processes: stop and join them (a no-op on one device).
+        await asyncio.to_thread(self.engine.shutdown)
 
     async def __aenter__(self) -> AsyncEngine:
         return await self.start()

@@ -42,6 +42,16 @@ class LLM:
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    def shutdown(self) -> None:
+        """Stop the engine's processes (tensor-parallel ranks); the LLM is unusable afterwards."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
