@@ -327,8 +327,11 @@ class Worker:
             self.request_stop()
         except Exception as e:
             log.exception("request %s (entry %s) failed", d.request_id, d.entry_id)
-            if d.request_id is not None:
+            try:
                 await self._finish_with_error(d, "internal", f"worker error: {e}")
+            except Exception:  # never let one job's failure take the others down
+                log.exception("request %s (entry %s): could not report the failure", d.request_id,
+                              d.entry_id)
         finally:
             if not admitted[0]:
                 self._admitted()
