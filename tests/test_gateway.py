@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import socket
+import subprocess
 import urllib.error
 import urllib.request
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -89,6 +92,14 @@ def _http_get(url: str, headers: dict[str, str]) -> tuple[int, dict[str, str], b
 async def http_get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
     """From a thread: the gateway under test runs on this event loop."""
     return await asyncio.to_thread(_http_get, url, headers or {})
+
+
+def node_command() -> list[str]:
+    """Node.js, with the flag Node 20-21 need for their (experimental) WebSocket class."""
+    node = shutil.which("node")
+    assert node, "Node.js is needed to test the JS client (apt-get install nodejs; see .ci/install)"
+    version = subprocess.run([node, "--version"], capture_output=True, text=True, check=True).stdout
+    return [node, "--experimental-websocket"] if int(version.strip()[1:].split(".")[0]) < 22 else [node]
 
 
 # --- the worker's side, played by the test ---------------------------------------------------------
@@ -446,4 +457,62 @@ async def test_slow_reader_is_closed_while_a_fast_one_finishes(redis_url: str) -
         assert close is not None and close.code == CLOSE_SLOW_CONSUMER, close
         assert "resume" in close.reason
         assert not await r.exists(NAMES.cancelled("slow"))  # still resumable within the grace period
+    await r.aclose()
+
+
+# --- the JS client ---------------------------------------------------------------------------------
+
+RECONNECT_SCRIPT = """
+import { StreamerClient } from %(client)s;
+const statuses = [];
+const client = new StreamerClient(process.argv[2], { maxBackoffMs: 300, onStatus: (s) => statuses.push(s) });
+const stream = client.generate({ id: "n1", prompt: "x" });
+const seqs = [];
+let text = "";
+for await (const event of stream) {
+  seqs.push(event.seq);
+  if (event.type === "token") text += event.text;
+  console.log(JSON.stringify({ seq: event.seq }));
+}
+console.log(JSON.stringify({ seqs, text, statuses }));
+client.close();
+"""
+
+
+@pytest.mark.anyio
+async def test_js_client_reconnects_and_resumes_across_a_gateway_restart(redis_url: str, tmp_path: Path) -> None:
+    """The gateway goes away mid-answer (tokens keep coming into Redis) and comes back on the same port:
+    the JS client reconnects and resumes after the last seq it had, with nothing lost or repeated."""
+    script = tmp_path / "reconnect.mjs"
+    client_url = (Path(__file__).resolve().parents[1] / "clients" / "web" / "streamer-client.js").as_uri()
+    script.write_text(RECONNECT_SCRIPT % {"client": json.dumps(client_url)})
+    r = aioredis.Redis.from_url(redis_url)
+    first = running_gateway(config(redis_url))
+    gw = await first.__aenter__()
+    port = gw.port
+    proc = await asyncio.create_subprocess_exec(*node_command(), str(script), gw.ws_url,
+                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        async def line() -> dict[str, Any]:
+            return json.loads(await asyncio.wait_for(proc.stdout.readline(), 10))  # type: ignore[union-attr]
+
+        await wait_jobs(r, 1)
+        await emit(r, "n1", tokens("n1", range(0, 5)))
+        assert [(await line())["seq"] for _ in range(5)] == [0, 1, 2, 3, 4]
+        await first.__aexit__(None, None, None)
+        await emit(r, "n1", tokens("n1", range(5, 9)))  # while no gateway is up
+        async with running_gateway(config(redis_url, port=port)):
+            await emit(r, "n1", tokens("n1", range(9, 12)) + [done("n1", 12)])
+            seen = [(await line())["seq"] for _ in range(8)]
+            summary = await line()
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert seen == list(range(5, 13))
+    assert summary["seqs"] == list(range(13))
+    assert summary["text"] == "".join(f"t{s}" for s in range(12))
+    assert summary["statuses"] == ["connecting", "open", "reconnecting", "open"]
+    assert not await r.exists(NAMES.cancelled("n1"))  # a gateway shutting down cancels nothing
     await r.aclose()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from test_gateway import (
     collect,
     config,
     emit,
+    node_command,
     recv,
     send,
 )
@@ -169,13 +169,6 @@ client.close();
 """
 
 
-def _node_command() -> list[str]:
-    node = shutil.which("node")
-    assert node, "Node.js is needed to test the JS client (apt-get install nodejs)"
-    major = int(subprocess.run([node, "--version"], capture_output=True, text=True).stdout.strip()[1:].split(".")[0])
-    return [node, "--experimental-websocket"] if major < 22 else [node]
-
-
 @pytest.mark.anyio
 async def test_js_client_under_node(llama_ckpt: Path, redis_url: str, tmp_path: Path) -> None:
     script = tmp_path / "client_test.mjs"
@@ -183,7 +176,7 @@ async def test_js_client_under_node(llama_ckpt: Path, redis_url: str, tmp_path: 
     script.write_text(NODE_SCRIPT % {"client": json.dumps(client_url), "greedy": json.dumps(GREEDY),
                                      "long": json.dumps(LONG)})
     async with running_worker(llama_ckpt, redis_url) as worker, running_gateway(config(redis_url)) as gw:
-        proc = await asyncio.create_subprocess_exec(*_node_command(), str(script), gw.ws_url,
+        proc = await asyncio.create_subprocess_exec(*node_command(), str(script), gw.ws_url,
                                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
             out, err = await asyncio.wait_for(proc.communicate(), 60)
