@@ -381,6 +381,25 @@ async def test_http_page_health_and_metrics(redis_url: str) -> None:
             assert status == 503 and json.loads(body)["redis"] is False
 
 
+@pytest.mark.anyio
+async def test_redis_restart_mid_stream_loses_nothing() -> None:
+    """redis-server restarts (AOF on) while a request streams: the gateway's pub/sub reconnects and
+    the events written meanwhile are read from the stream."""
+    with RedisServer(appendonly=True) as own:
+        async with running_gateway(config(own.url)) as gw, connect(gw.ws_url) as ws:
+            r = aioredis.Redis.from_url(own.url)
+            await send(ws, {"type": "generate", "id": "x1", "prompt": "p"})
+            await recv(ws)
+            await emit(r, "x1", tokens("x1", range(0, 3)))
+            await r.aclose()
+            await asyncio.to_thread(own.restart, 0.5)
+            r = aioredis.Redis.from_url(own.url)
+            await emit(r, "x1", tokens("x1", range(3, 6)) + [done("x1", 6)])
+            assert_contiguous((await collect(ws, {"x1"}, timeout=15))["x1"])
+            assert gw.metrics.values["redis_errors_total"] >= 1
+            await r.aclose()
+
+
 # --- slow consumer -------------------------------------------------------------------------------
 
 class StalledClient:
