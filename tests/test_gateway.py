@@ -262,6 +262,23 @@ async def test_closed_socket_cancels_after_grace_unless_resumed(redis_url: str) 
 
 
 @pytest.mark.anyio
+async def test_resume_through_another_gateway_stops_the_grace_cancel(redis_url: str) -> None:
+    r = aioredis.Redis.from_url(redis_url)
+    pubsub, _ = await _cancels(r)
+    async with running_gateway(config(redis_url, cancel_grace_s=0.5)) as a, \
+            running_gateway(config(redis_url, cancel_grace_s=0.5)) as b:
+        async with connect(a.ws_url) as ws:
+            for rid in ("moved", "dropped"):
+                await send(ws, {"type": "generate", "id": rid, "prompt": "x"})
+                await recv(ws)
+        async with connect(b.ws_url) as ws:  # the browser came back through the other gateway
+            await send(ws, {"type": "resume", "id": "moved"})
+            assert await _drain_cancels(pubsub, 1.0) == ["dropped"]
+    await pubsub.aclose()
+    await r.aclose()
+
+
+@pytest.mark.anyio
 async def test_bad_frames_get_errors_and_the_socket_goes_on(redis_url: str) -> None:
     r = aioredis.Redis.from_url(redis_url)
     cfg = config(redis_url, max_frame_bytes=4096, max_inflight=2)

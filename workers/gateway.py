@@ -71,6 +71,7 @@ class Gateway:
                              self.render_metrics, lambda: self.metrics.inc("connections_refused_total"))
         self.sessions: set[Session] = set()
         self._pending_cancels: dict[str, asyncio.TimerHandle] = {}
+        self.hub.on_resumed = self.keep  # a resume through any gateway stops our grace-period cancel
         self.server: Server | None = None
 
     @property

@@ -13,7 +13,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -91,14 +90,17 @@ class Hub:
         self._subscribed: dict[str, asyncio.Event] = {}  # channel -> set when Redis confirmed it
         self._sub_lock = asyncio.Lock()  # SUBSCRIBE/UNSUBSCRIBE go out in decision order
         self._tasks: set[asyncio.Task[Any]] = set()
-        # A channel nobody publishes on keeps the pub/sub connection open while no request is watched.
-        self._idle_channel = f"{names.prefix}:gateway:{uuid.uuid4().hex}"
+        # Gateways tell each other about resumes here, so a request resumed through another gateway is
+        # not cancelled by the one whose socket closed. Being subscribed to it also keeps the pub/sub
+        # connection open while no request is watched.
+        self.resumed_channel = f"{names.prefix}:gateway:resumed"
+        self.on_resumed: Callable[[str], None] = lambda request_id: None
         self._runner: asyncio.Task[Any] | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.pubsub.subscribe(self._idle_channel)
+        await self.pubsub.subscribe(self.resumed_channel)
         self._runner = asyncio.gather(self._read_loop(), self._idle_loop())
 
     async def close(self) -> None:
@@ -156,6 +158,9 @@ class Hub:
         except ProtocolError:
             return None
         return event if isinstance(event, dict) else None
+
+    async def announce_resume(self, request_id: str) -> None:
+        await self.redis.publish(self.resumed_channel, request_id)
 
     async def cancel(self, request_id: str) -> None:
         """The marker covers a job no worker has read yet; the message reaches the one running it."""
@@ -273,9 +278,14 @@ class Hub:
             if confirmed is not None:
                 confirmed.set()
             return
-        if msg["type"] != "message" or channel not in self.watches:
+        if msg["type"] != "message":
             return
         data = msg["data"]
+        if channel == self.resumed_channel:
+            self.on_resumed(data.decode(errors="replace"))
+            return
+        if channel not in self.watches:
+            return
         try:
             # JSON events (what the gateway's own jobs get) take the plain decoder: this runs once per
             # token per request, and the worker's output needs no untrusted-input depth checks.

@@ -184,7 +184,9 @@ class Session:
             raise ProtocolError("invalid_request", "`after_seq` must be an integer >= -1 (the last seq "
                                 "received; -1 replays from the start)", rid)
         self._check_room(rid)
-        self.gw.keep(rid)  # whoever resumes first stops the pending grace-period cancel
+        # Stop the grace-period cancel, here and (through Redis) on any other gateway that has one.
+        self.gw.keep(rid)
+        await self.hub.announce_resume(rid)
         if not await self.hub.known(rid):
             raise ProtocolError("unknown_request", f"no request {rid!r} (never submitted, or expired)", rid)
         last = await self.hub.last_event(rid)
