@@ -35,7 +35,7 @@ BAD = [
     (job("unknown-field", prompt="hi", temperature=0.5), "unknown-field", "invalid_request"),
     ({"json": json.dumps({"v": 9, "id": "bad-version", "prompt": "hi"})}, "bad-version", "unsupported_version"),
     (job("range", prompt="hi", params={"temperature": -1.0}), "range", "invalid_params"),
-    (job("unknown-param", prompt="hi", params={"beam_width": 4}), "unknown-param", "invalid_params"),
+    (job("unknown-param", prompt="hi", params={"nucleus_mass": 0.9}), "unknown-param", "invalid_params"),
     (job("type-param", prompt="hi", params={"max_tokens": "many"}), "type-param", "invalid_params"),
     (job("too-long", prompt_token_ids=[7] * 5000, params=GOOD), "too-long", "invalid_request"),
     (job("bad-token", prompt_token_ids=[10**9], params=GOOD), "bad-token", "invalid_request"),

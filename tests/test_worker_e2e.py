@@ -10,6 +10,7 @@ import anyio
 import pytest
 import redis
 from redis_worker_helpers import (
+    ENGINE,
     ROOT,
     check_complete,
     offline_tokens,
@@ -20,7 +21,7 @@ from redis_worker_helpers import (
 )
 
 from clients.redis_client import AsyncClient, Client, RequestFailed
-from streamer import SamplingParams
+from streamer import LLM, SamplingParams
 from workers.protocol import Names, decode_message
 
 
@@ -71,6 +72,17 @@ async def test_token_ids_messages_and_n_samples(llama_ckpt, redis_url):
     assert by_ids.token_ids == {0: expected, 1: expected}
     assert by_ids.finish_reasons == ["length", "length"] and by_ids.usage["completion_tokens"] == 10
     assert len(chat.token_ids[0]) == 8 and chat.usage["prompt_tokens"] > 4
+
+
+@pytest.mark.anyio
+async def test_beam_search(llama_ckpt, redis_url):
+    params = {"max_tokens": 5, "use_beam_search": True, "beam_width": 3, "ignore_eos": True}
+    async with running_worker(llama_ckpt, redis_url), AsyncClient(redis_url) as client:
+        result = await client.generate(prompt_token_ids=[5, 6, 7], params=params, timeout=30)
+    llm = LLM(**{"model": str(llama_ckpt), **ENGINE})
+    expected = llm.generate([[5, 6, 7]], SamplingParams(**params))[0].outputs
+    assert result.token_ids == {o.index: list(o.token_ids) for o in expected}
+    assert len(result.finish_reasons) == len(expected) == 3
 
 
 @pytest.mark.anyio

@@ -461,8 +461,10 @@ class Worker:
                     reasons[c.index] = c.finish_reason
             if out.finished:
                 usage = _usage(len(out.prompt_token_ids), sum(emitted.values()), out.num_cached_tokens)
+                # Samples are n, or beam_width beams (which arrive whole, in the last output).
+                count = max(params.n, 1 + max([*reasons, *emitted], default=0))
                 events.append(done_event(job.id, run.next_seq + len(events),
-                                         [reasons.get(k, "abort") for k in range(params.n)], usage))
+                                         [reasons.get(k, "abort") for k in range(count)], usage))
                 self._emit(run, events)
                 return
             if events:
