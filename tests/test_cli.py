@@ -234,3 +234,11 @@ def test_readme_test_command_is_what_ci_runs() -> None:
 def test_no_redis_server_installed_names_the_package(tmp_path: Path) -> None:
     proc = streamer("up", "--port", "0", env={"PATH": str(Path(sys.executable).parent), "HOME": str(tmp_path)})
     assert_friendly(proc, "redis-server not found", "apt-get install redis-server", "--redis")
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/running.md"])
+def test_relative_links_in_docs_exist(doc: str) -> None:
+    path = ROOT / doc
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
+        if "://" not in target:
+            assert (path.parent / target).exists(), f"{doc} links to missing {target}"
