@@ -85,7 +85,8 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     """Same contract as `paged_prefill_attention_ref`; writes into `out` when given.
 
     `query_start_loc` may start at a nonzero offset (a slice of a mixed batch's): rows are taken
-    relative to its first entry.
+    relative to its first entry. `max_query_len`, when given, must bound every sequence's number
+    of new tokens (it sizes the grid).
     """
     num_tokens, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
