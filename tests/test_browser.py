@@ -109,7 +109,10 @@ async def test_page_streams_stops_and_resumes_after_reload(llama_ckpt: Path, red
             await page.wait_for_selector(f".msg.assistant[data-id='{rid2}'][data-state=done]", timeout=30000)
             _, _, text2 = await last_answer(page)
             events2 = read_events(redis_url, rid2)
-            assert events2[-1]["finish_reason"] == "length" and len(tokens_of(events2)) == 400
+            # "length": 400 tokens, or fewer when the history (the first answer is in the chat
+            # template) leaves less room in the tiny model's 1024 positions.
+            assert events2[-1]["finish_reason"] == "length"
+            assert 0 < len(tokens_of(events2)) == events2[-1]["usage"]["completion_tokens"] <= 400
             assert text2 == "".join(e["text"] for e in events2)
             assert await page.locator(".msg.user").count() == 2  # the conversation survived the reload
             assert page_errors == []
