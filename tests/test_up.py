@@ -130,6 +130,38 @@ async def ask(port: int, messages: list[dict], max_tokens: int) -> list[dict]:
                 return events
 
 
+def readme_block(after: str, lang: str) -> str:
+    """The first ```lang block after the line starting with `after` in README.md."""
+    text = (ROOT / "README.md").read_text()
+    begin = text.index(f"```{lang}\n", text.index("\n" + after)) + len(f"```{lang}\n")
+    return text[begin:text.index("```", begin)]
+
+
+def check_readme_examples(redis_url: str) -> None:
+    """The README's redis-cli and Python examples work as written against the running stack."""
+    import redis
+
+    example_url = re.search(r'Client\("(redis://[^"]+)"\)', readme_block("**Python**", "python")).group(1)
+    python = readme_block("**Python**", "python").replace(example_url, redis_url)
+    out = subprocess.run([sys.executable, "-c", python], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "Paris" in out.stdout, out.stdout + out.stderr
+
+    xadd = next(line for line in readme_block("**redis-cli**", "sh").splitlines() if " XADD " in line)
+    subprocess.run(["bash", "-c", xadd], env={**os.environ, "R": redis_url}, check=True, timeout=30,
+                   capture_output=True)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            events = [json.loads(f[b"json"]) for _, f in client.xrange("llm:events:a1")]
+            if events and events[-1]["type"] == "done":
+                break
+            time.sleep(0.2)
+        assert events and events[-1]["type"] == "done" and events[-1]["usage"]["completion_tokens"] == 16, events
+    finally:
+        client.close()
+
+
 def test_up_serves_the_real_model_and_ctrl_c_stops_everything(smollm2_cache: Path) -> None:
     import anyio
 
@@ -162,6 +194,8 @@ def test_up_serves_the_real_model_and_ctrl_c_stops_everything(smollm2_cache: Pat
         assert events[-1]["type"] == "done", events[-1]
         answer = "".join(e["text"] for e in events)
         assert "Paris" in answer, answer
+
+        check_readme_examples(f"redis://127.0.0.1:{redis_port}/0")
 
         assert up.ctrl_c() == 0, up.text()
         assert "stopped" in up.text()
