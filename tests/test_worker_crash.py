@@ -180,14 +180,16 @@ async def test_inflight_entries_stay_fresh_and_a_takeover_stops_the_job(llama_ck
     """A live worker's jobs are never reclaimable, however long they run; if another worker takes one
     over anyway (it thought this one dead), this worker stops it instead of racing."""
     r = redis.Redis.from_url(redis_url)
-    async with running_worker(llama_ckpt, redis_url, claim_idle_s=0.6, heartbeat_s=0.1) as worker, \
-            AsyncClient(redis_url) as client:
-        rid = await client.submit("a long one", params={**LONG, "max_tokens": 1000})
+    async with running_worker(llama_ckpt, redis_url, engine={"num_kv_blocks": 300}, claim_idle_s=1.0,
+                              heartbeat_s=0.1) as worker, AsyncClient(redis_url) as client:
+        # 4 samples x 1000 tokens: ~1000 steps, longer than the 2 s watched below even on a fast machine.
+        rid = await client.submit("a long one", params={**LONG, "max_tokens": 1000, "n": 4})
         await wait_for(lambda: read_events(redis_url, rid), timeout=20)
-        for _ in range(12):  # 1.2 s: twice the idle time after which entries are reclaimed
-            taken = r.xautoclaim(NAMES.requests, NAMES.group, "thief", 600, count=10)[1]
-            assert taken == [], "a running job's entry went idle"
+        for _ in range(20):  # 2 s: twice the idle time after which entries are reclaimed
+            taken = r.xautoclaim(NAMES.requests, NAMES.group, "thief", 1000, count=10)[1]
+            assert taken == [], f"a running job's entry went idle: {worker.stats()}"
             await anyio.sleep(0.1)
+        assert worker.engine.stats()["num_requests"] == 1, "the job is still running"
         entry = r.xpending_range(NAMES.requests, NAMES.group, "-", "+", 1)[0]["message_id"]
         r.xclaim(NAMES.requests, NAMES.group, "thief", 0, [entry])  # forced takeover
         await wait_for(lambda: worker.engine.stats()["num_requests"] == 0, timeout=10)
