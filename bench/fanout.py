@@ -9,10 +9,12 @@ for every stream at once, as the engine's step loop does). Each token event's `t
 producer's clock at the moment the step was handed to the writer; a client subtracts it from its own
 clock (CLOCK_MONOTONIC, shared by processes on one machine) when it has parsed the frame.
 
-For each stream count: the gateway runs as its own process (`streamer gateway`), clients are spread
-over --clients processes, one WebSocket per stream (one browser tab each), each sends a `generate`
-that the gateway pushes onto the requests stream. Then every --interval-ms the producer emits one
-token for every stream (0: back to back, to find the ceiling), --tokens per stream, then `done`.
+For each stream count: the gateway runs as its own process (`streamer gateway`), producers are spread
+over --producers processes (as several workers would be), clients over --clients processes, one
+WebSocket per stream (one browser tab each); each sends a `generate` that the gateway pushes onto the
+requests stream. Then every --interval-ms each producer emits one token for each of its streams
+(0: back to back, to find the ceiling), --tokens per stream, then `done`. The gateway's CPU time over
+the round gives its cost per event, whatever else shares the machine.
 The same run with the clients subscribed to Redis pub/sub directly (`--direct`, no gateway) gives
 the baseline; the difference is what the gateway adds.
 """
@@ -149,6 +151,11 @@ async def produce(redis_url: str, ids: list[str], tokens: int, interval: float) 
     return wall
 
 
+def producer_process(redis_url: str, ids: list[str], tokens: int, interval: float, go: Any, out: Any) -> None:
+    go.wait()
+    out.put(asyncio.run(produce(redis_url, ids, tokens, interval)))
+
+
 # --- one measurement -------------------------------------------------------------------------------
 
 def cpu_seconds(pid: int | None) -> float:
@@ -160,11 +167,16 @@ def cpu_seconds(pid: int | None) -> float:
 
 
 def run_round(mode: str, target: str, redis_url: str, streams: int, tokens: int, interval: float,
-              clients: int, tag: str, gateway_pid: int | None) -> dict[str, Any]:
+              clients: int, producers: int, tag: str, gateway_pid: int | None) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     ids = [f"{tag}-{i}" for i in range(streams)]
     slices = [ids[k::clients] for k in range(clients)]
-    go, out = ctx.Event(), ctx.Queue()
+    go, out, produced = ctx.Event(), ctx.Queue(), ctx.Queue()
+    # Several producers, like several workers: one Python process alone tops out near 10k events/s.
+    makers = [ctx.Process(target=producer_process, args=(redis_url, ids[k::producers], tokens, interval, go,
+                                                          produced), daemon=True) for k in range(producers)]
+    for p in makers:
+        p.start()
     readies = [ctx.Event() for _ in slices]
     procs = [ctx.Process(target=client_process, args=(mode, target, s, ev, go, out), daemon=True)
              for s, ev in zip(slices, readies, strict=True)]
@@ -175,10 +187,10 @@ def run_round(mode: str, target: str, redis_url: str, streams: int, tokens: int,
             raise TimeoutError("clients did not connect")
     cpu0 = cpu_seconds(gateway_pid)
     go.set()
-    wall = asyncio.run(produce(redis_url, ids, tokens, interval))
+    wall = max(produced.get(timeout=300) for _ in makers)
     parts = [out.get(timeout=300) for _ in procs]
     gateway_cpu = cpu_seconds(gateway_pid) - cpu0
-    for p in procs:
+    for p in procs + makers:
         p.join(30)
     lat = [x for part in parts for x in part["latencies"]]
     failures: dict[str, int] = {}
@@ -198,7 +210,7 @@ def run_round(mode: str, target: str, redis_url: str, streams: int, tokens: int,
 
 def start_gateway(redis_url: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "gateway", "--port", str(port), "--redis",
                              redis_url, "--log-level", "WARNING", "--cancel-grace", "60"],
                             cwd=ROOT, env=env)
@@ -220,6 +232,7 @@ def main() -> None:
     ap.add_argument("--interval-ms", type=float, default=20.0,
                     help="time between steps (20 ms = 50 tokens/s per stream); 0 = as fast as possible")
     ap.add_argument("--clients", type=int, default=2, help="client processes")
+    ap.add_argument("--producers", type=int, default=2, help="fake producer processes")
     ap.add_argument("--direct", action="store_true", help="also run each round with clients on Redis "
                                                           "pub/sub directly (the baseline without the gateway)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON lines too")
@@ -232,7 +245,8 @@ def main() -> None:
                 modes = [("ws", ws_url)] + ([("direct", redis_server.url)] if args.direct else [])
                 for mode, target in modes:
                     row = run_round(mode, target, redis_server.url, n, args.tokens, args.interval_ms / 1e3,
-                                    args.clients, f"{mode}{i}", gateway.pid if mode == "ws" else None)
+                                    args.clients, args.producers, f"{mode}{i}",
+                                    gateway.pid if mode == "ws" else None)
                     rows.append(row)
                     if args.json:
                         print(json.dumps(row), flush=True)
@@ -241,7 +255,7 @@ def main() -> None:
             gateway.wait(10)
     cpus = os.cpu_count()
     print(f"\nfan-out, {cpus} CPUs, step every {args.interval_ms:g} ms, {args.tokens} tokens per stream, "
-          f"{args.clients} client processes")
+          f"{args.clients} client and {args.producers} producer processes")
     print(f"{'path':<13}{'streams':>8}{'events':>9}{'events/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}"
           f"{'ev/CPU-s':>10}  failures")
     for r in rows:
