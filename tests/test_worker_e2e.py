@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -230,4 +231,27 @@ async def test_reads_only_what_the_engine_can_admit(llama_ckpt, redis_url):
     assert max(pending for pending, _ in held) <= 4, held
     assert max(lag for _, lag in held) >= 5, held
     assert r.xlen(names.requests) == 0
+    r.close()
+
+
+@pytest.mark.anyio
+async def test_generate_cli_ctrl_c_cancels_the_request(llama_ckpt, redis_url):
+    r = redis.Redis.from_url(redis_url)
+    async with running_worker(llama_ckpt, redis_url):
+        proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "generate", "hi", "--redis", redis_url,
+                                 "--max-tokens", "1000", "--params", '{"ignore_eos": true}'],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            await wait_for(lambda: r.keys("llm:events:*"), timeout=60)
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        assert proc.returncode == 130
+        rid = r.keys("llm:events:*")[0].decode().split(":", 2)[2]
+        await wait_for(lambda: read_events(redis_url, rid)[-1]["type"] == "done", timeout=10)
+    done = read_events(redis_url, rid)[-1]
+    assert done["finish_reason"] == "abort" and done["usage"]["completion_tokens"] < 1000
     r.close()
