@@ -160,6 +160,9 @@ for await (const event of long) {
   if (event.type === "token" && ++seen === 2) long.cancel();
   if (event.type === "done") out({ cancelled: event.finish_reason, seen });
 }
+for await (const event of client.generate({ id: "node-break", prompt: "count", params: %(long)s })) {
+  if (event.type === "token") break;  // leaving early cancels
+}
 try {
   for await (const event of client.generate({ prompt: "x", params: { max_tokens: -1 } })) out(event);
 } catch (err) {
@@ -192,3 +195,4 @@ async def test_js_client_under_node(llama_ckpt: Path, redis_url: str, tmp_path: 
     assert lines[0]["usage"]["completion_tokens"] == GREEDY["max_tokens"]
     assert lines[1] == {"cancelled": "abort", "seen": lines[1]["seen"]} and lines[1]["seen"] >= 2
     assert lines[2] == {"error": "StreamerError", "code": "invalid_params"}
+    assert read_events(redis_url, "node-break")[-1]["finish_reason"] == "abort"

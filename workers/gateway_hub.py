@@ -57,6 +57,7 @@ class Watch:
         self.last_activity = time.monotonic()
         self.filling = False
         self.fill_again = False
+        self.quiet_polls = 0  # idle-poll reads in a row that found nothing: the next one waits longer
 
     def offer(self, event: dict[str, Any], text: str) -> None:
         seq = event.get("seq")
@@ -74,6 +75,7 @@ class Watch:
     def _deliver(self, event: dict[str, Any], text: str) -> None:
         self.next_seq += 1
         self.last_activity = time.monotonic()
+        self.quiet_polls = 0
         if event.get("type") in FINAL_TYPES:
             self.finished = True
             self.hub.unwatch(self)
@@ -139,6 +141,10 @@ class Hub:
             pipe.exists(self.names.events(request_id), self.names.job(request_id))
             claimed, existing = await pipe.execute()
         return bool(claimed) and not existing
+
+    async def release(self, request_id: str) -> None:
+        """Undo a claim whose job was never pushed (best effort: it expires anyway)."""
+        await self.redis.delete(self._claim_key(request_id))
 
     async def push(self, job: dict[str, Any]) -> None:
         """Queue a job (already checked with protocol.parse_job, its id claimed)."""
@@ -304,11 +310,13 @@ class Hub:
         in a way the read loop could not see."""
         while True:
             await asyncio.sleep(self.idle_poll_s / 2)
-            stale = time.monotonic() - self.idle_poll_s
+            now = time.monotonic()
             for readers in list(self.watches.values()):
                 for w in list(readers):
-                    if w.last_activity < stale and not w.filling:
-                        w.last_activity = time.monotonic()
+                    # A job waiting in a long queue stays silent: poll it less and less (up to 16x).
+                    if w.last_activity < now - self.idle_poll_s * 2 ** min(w.quiet_polls, 4) and not w.filling:
+                        w.last_activity = now
+                        w.quiet_polls += 1
                         self.fill_soon(w)
 
     async def ping(self) -> bool:

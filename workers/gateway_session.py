@@ -9,6 +9,7 @@ CLOSE_SLOW_CONSUMER); every other mistake is answered with an `error` frame.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
@@ -168,13 +169,15 @@ class Session:
         self._check_room(rid)
         if not await self.hub.claim(rid):
             raise ProtocolError("duplicate_id", f"id {rid!r} is already used by another request", rid)
-        # Subscribed before the job exists, so the first token cannot be missed.
-        await self._watch(rid, 0, catch_up=False)
-        self.send(json.dumps({"type": "accepted", "id": rid}))
         try:
+            # Subscribed before the job exists, so the first token cannot be missed.
+            await self._watch(rid, 0, catch_up=False)
+            self.send(json.dumps({"type": "accepted", "id": rid}))
             await self.hub.push(job)
         except BaseException:
             self._forget(rid)
+            with contextlib.suppress(Exception):  # so that a retry with the same id is not a duplicate
+                await self.hub.release(rid)
             raise
 
     async def _resume(self, obj: dict[str, Any]) -> None:

@@ -164,10 +164,11 @@ async function follow(stream, el, sentAt) {
   ui.finish.textContent = meta;
   setMeta(el, meta);
   if (current === a) current = null;
+  setBusy(false);
+  if (a.discarded) return; // "New chat" was pressed while it streamed
   chat.active = null;
   chat.history.push({ role: "assistant", content: a.text, meta });
   save();
-  setBusy(false);
 }
 
 function send(promptText) {
@@ -212,7 +213,10 @@ ui.stop.addEventListener("click", () => {
 });
 
 ui.clear.addEventListener("click", () => {
-  if (current) current.stream.cancel();
+  if (current) {
+    current.discarded = true;
+    current.stream.cancel();
+  }
   chat = { history: [], active: null };
   save();
   for (const el of [...ui.log.querySelectorAll(".msg")]) el.remove();

@@ -5,7 +5,7 @@
 //   const client = new StreamerClient("ws://127.0.0.1:8000/ws", { token: "KEY" });
 //   const stream = client.generate({ prompt: "Hello", params: { max_tokens: 64 } });
 //   for await (const event of stream) if (event.type === "token") process.stdout.write(event.text);
-//   stream.cancel();   // or client.cancel(stream.id)
+//   stream.cancel();   // or client.cancel(stream.id); leaving the loop early cancels too
 //
 // The socket reconnects by itself (exponential backoff) and resumes every unfinished request from the
 // last `seq` it saw, so a dropped connection costs neither tokens nor duplicates. A page that reloads
@@ -75,6 +75,8 @@ export class Stream {
         await new Promise((resolve) => (this._wake = resolve));
       }
     } finally {
+      // Leaving the loop early (break, return, an exception in its body) abandons the request: stop it.
+      if (!this.finished) this.cancel();
       this.client._forget(this);
     }
   }
