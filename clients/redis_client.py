@@ -79,10 +79,11 @@ def build_job(request_id: str, prompt: str | None, messages: list[dict[str, str]
 
 class AsyncClient:
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "llm", encoding: str = "json",
-                 names: Names | None = None) -> None:
+                 names: Names | None = None, retry_s: float = 30.0) -> None:
+        """`retry_s`: how long submit() and cancel() keep retrying while Redis is unreachable."""
         if encoding not in ("json", "msgpack"):
             raise ValueError("encoding must be json or msgpack")
-        self.url, self.encoding = url, encoding
+        self.url, self.encoding, self.retry_s = url, encoding, retry_s
         self.names = names or Names(prefix=prefix)
         self.redis = Redis.from_url(url, socket_connect_timeout=3)
 
@@ -101,7 +102,10 @@ class AsyncClient:
         """Push a job; returns its id (a fresh UUID unless given)."""
         request_id = id or uuid.uuid4().hex
         job = build_job(request_id, prompt, messages, prompt_token_ids, params, priority, deadline)
-        await self.redis.xadd(self.names.requests, encode_job(job, self.encoding))
+        fields = encode_job(job, self.encoding)
+        # Safe to retry: if a lost reply hides a first XADD that worked, the second copy carries the
+        # same id and is refused by the worker as a duplicate.
+        await self._retrying("submit", lambda: self.redis.xadd(self.names.requests, fields))
         return request_id
 
     async def stream(self, request_id: str, after_seq: int = -1,
@@ -144,10 +148,24 @@ class AsyncClient:
 
     async def cancel(self, request_id: str) -> None:
         """Abort a request wherever it is: running (its worker listens) or still queued (the marker)."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self.names.cancelled(request_id), 1, ex=3600)
-            pipe.publish(self.names.cancel, request_id)
-            await pipe.execute()
+        async def send() -> None:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.set(self.names.cancelled(request_id), 1, ex=3600)
+                pipe.publish(self.names.cancel, request_id)
+                await pipe.execute()
+
+        await self._retrying("cancel", send)
+
+    async def _retrying(self, what: str, call: Any) -> Any:
+        backoff = Backoff(what, log)
+        deadline = time.monotonic() + self.retry_s
+        while True:
+            try:
+                return await call()
+            except TRANSIENT as e:
+                if time.monotonic() > deadline:
+                    raise
+                await backoff.sleep(e)
 
 
 class Client:

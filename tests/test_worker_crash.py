@@ -210,3 +210,16 @@ async def test_cancel_marker_reaches_a_running_job(llama_ckpt, redis_url):
         events = [e async for e in client.stream(rid, timeout=10)]
     assert events[-1]["type"] == "done" and events[-1]["finish_reason"] == "abort"
     r.close()
+
+
+@pytest.mark.anyio
+async def test_worker_survives_redis_losing_its_data(llama_ckpt):
+    """Without AOF a restart loses the group and the jobs: the worker recreates the group and serves on."""
+    with RedisServer() as server:
+        async with running_worker(llama_ckpt, server.url) as worker, AsyncClient(server.url) as client:
+            await client.submit("lost with the data", params={**LONG, "max_tokens": 900})
+            await wait_for(lambda: worker.stats()["jobs"] == 1, timeout=20)
+            await anyio.to_thread.run_sync(server.restart, 0.2)
+            after = await client.generate("after the restart", params=LONG, timeout=30)
+            assert len(after.token_ids[0]) == LONG["max_tokens"]
+            assert not worker.stopping
