@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from streamer.beam_engine import advance_beams, beam_output, new_beam_state
 from streamer.block_manager import BlockManager
 from streamer.config import EngineConfig
 from streamer.detokenizer import IncrementalDetokenizer
@@ -93,10 +94,14 @@ class LLMEngine:
         resume = resume_token_ids or []
         if len(resume) > params.n:
             raise ValueError("resume_token_ids has more entries than the request has samples")
+        if resume and params.use_beam_search:
+            raise ValueError("beam search requests cannot be resumed")
         self.scheduler.check_room(1 if not resume else params.n, len(tokens))
         seqs = [self._new_sequence(request_id, i, tokens, params, priority,
                                    resume[i] if i < len(resume) else []) for i in range(params.n)]
-        self.requests[request_id] = Request(request_id, tokens, params, seqs, text)
+        request = self.requests[request_id] = Request(request_id, tokens, params, seqs, text)
+        if params.use_beam_search:
+            request.beam = new_beam_state(params, self.eos_token_ids, self.max_model_len - len(tokens))
         if resume:  # samples already diverged: each recomputes its own tokens (prefix cache shares)
             for seq in seqs:
                 self.scheduler.add(seq)
@@ -144,9 +149,19 @@ class LLMEngine:
             self.block_manager.cache_full_blocks(seq)
             self._fork(item)
         touched: dict[str, list[Sequence]] = {}
+        beams: dict[str, Request] = {}
         for i, seq in enumerate(sampled):
+            if seq.params.use_beam_search:
+                seq.beam_logprobs = result.beam_logprobs[i]
+                beams[seq.request_id] = self.requests[seq.request_id]
+                continue
             self._append_token(seq, result.token_ids[i], result.logprobs[i])
             touched.setdefault(seq.request_id, []).append(seq)
+        for request in beams.values():
+            if advance_beams(request, self.block_manager, self.scheduler):
+                outputs.append(beam_output(request, self.tokenizer))
+                del self.requests[request.request_id]
+                self.counters["num_requests_finished"] += 1
         for request_id, seqs in touched.items():
             request = self.requests[request_id]
             outputs.append(self._output(request, seqs))

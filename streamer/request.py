@@ -6,6 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from streamer.detokenizer import IncrementalDetokenizer
 from streamer.sampling_params import SamplingParams
@@ -51,6 +52,7 @@ class Sequence:
     # Generated since the last output was handed to the caller (deltas).
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[dict[int, float]] = field(default_factory=list)
+    beam_logprobs: Any = None  # beam search: next-token log-probs, waiting for the sibling beams
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +80,7 @@ class Request:
     params: SamplingParams
     sequences: list[Sequence]
     prompt: str | None = None
+    beam: Any = None  # beam_search.BeamState for beam-search requests
 
     @property
     def is_finished(self) -> bool:

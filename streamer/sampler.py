@@ -14,6 +14,7 @@ from streamer.request import Sequence
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
+    beam_logprobs: list[torch.Tensor | None]  # full next-token log-probs, for beam-search rows
 
 
 def _derived_seed(seed: int, index: int, position: int) -> int:
@@ -40,7 +41,17 @@ class Sampler:
         else:
             tokens = self._sample(logits, seqs, greedy)
         token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(raw, seqs, token_list))
+        return SamplerOutput(token_list, self._logprobs(raw, seqs, token_list), self._beam_logprobs(raw, seqs))
+
+    @staticmethod
+    def _beam_logprobs(raw: torch.Tensor, seqs: list[Sequence]) -> list[torch.Tensor | None]:
+        rows = [i for i, s in enumerate(seqs) if s.params.use_beam_search]
+        result: list[torch.Tensor | None] = [None] * len(seqs)
+        if rows:
+            logprobs = torch.log_softmax(raw[rows], dim=-1).cpu()
+            for j, row in enumerate(rows):
+                result[row] = logprobs[j]
+        return result
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         for row, seq in enumerate(seqs):

@@ -27,6 +27,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # number of top logprobs per token (0 = only the chosen token's)
     skip_special_tokens: bool = True
+    use_beam_search: bool = False
+    beam_width: int = 4
+    length_penalty: float = 1.0
+    early_stopping: bool = False
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
@@ -53,9 +57,9 @@ class SamplingParams:
         self._check_ranges()
 
     def _check_types(self) -> None:
-        ints = ("n", "top_k", "min_tokens")
+        ints = ("n", "top_k", "min_tokens", "beam_width")
         floats = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                  "repetition_penalty")
+                  "repetition_penalty", "length_penalty")
         for name in ints:
             _require(_is_int(getattr(self, name)), f"{name} must be an integer")
         for name in floats:
@@ -65,7 +69,8 @@ class SamplingParams:
         for name in ("seed", "max_tokens", "logprobs"):
             value = getattr(self, name)
             _require(value is None or _is_int(value), f"{name} must be an integer or null")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "use_beam_search",
+                     "early_stopping"):
             _require(isinstance(getattr(self, name), bool), f"{name} must be true or false")
         _require(isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop),
                  "stop must be a string or a list of strings")
@@ -93,6 +98,12 @@ class SamplingParams:
         _require(0.0 < self.repetition_penalty <= 2.0,
                  f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         _require(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]")
+        _require(1 <= self.beam_width <= 32, f"beam_width must be in [1, 32], got {self.beam_width}")
+        _require(-10.0 <= self.length_penalty <= 10.0, "length_penalty must be in [-10, 10]")
+        if self.use_beam_search:
+            _require(self.n == 1, "beam search returns beam_width outputs: leave n at 1")
+            _require(not self.stop, "stop strings are not supported with beam search (use stop_token_ids)")
+            _require(self.logprobs is None, "logprobs are not supported with beam search")
 
 
 def _is_int(value: object) -> bool:

@@ -108,6 +108,8 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        if not out.scheduled:
+            self._park_idle(out, budget)
         for item in out.scheduled:
             if item.samples and item.seq.pending_forks:
                 item.forks = item.seq.pending_forks
@@ -119,6 +121,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new == 0:  # a beam whose next token waits for its sibling beams
+                i += 1
+                continue
             while not self.block_manager.allocate(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -152,12 +157,27 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
 
+    def _park_idle(self, out: SchedulerOutput, budget: int) -> None:
+        """Nothing could run: every running sequence is a beam that already has its next-token
+        log-probs and waits for sibling beams that need the blocks it holds. Evict such beams
+        (their log-probs are kept, so nothing is lost) until a waiting sequence fits."""
+        idle = [s for s in self.running if s.num_computed_tokens == s.num_tokens]
+        for seq in reversed(idle):
+            self.running.remove(seq)
+            self._preempt(seq)
+            out.preempted.append(seq)
+            self._schedule_waiting(out, budget)
+            if out.scheduled:
+                return
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        if seq.beam_logprobs is not None:
+            return  # parked: a beam needs no recompute until the beam step picks it again
         self.waiting.push(seq, front=True)
         self.num_waiting_tokens += seq.num_tokens
 

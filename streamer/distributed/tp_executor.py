@@ -132,6 +132,8 @@ class TPExecutor:
             raise TensorParallelError(self._dead)
         if self._closed:
             raise TensorParallelError("the tensor-parallel executor was shut down")
+        if self.procs.failure is not None:  # a rank died while the engine was idle
+            raise self._fail(None)
         step = flatten_step(scheduled, block_copies, self.runner.block_size)
         try:
             payload = payload_tensor(step.payload)
@@ -142,7 +144,7 @@ class TPExecutor:
         # Sampling is rank 0's alone: an error there leaves the ranks in step, so it is not fatal.
         return self.runner.sample(step, logits)
 
-    def _fail(self, exc: BaseException) -> TensorParallelError:
+    def _fail(self, exc: BaseException | None) -> TensorParallelError:
         """A collective failed: find out which rank went, stop them all, stay dead."""
         failure = self.procs.wait_for_failure(5.0)
         self._dead = failure or f"tensor-parallel step failed on rank 0: {exc!r}"
