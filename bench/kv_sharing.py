@@ -14,7 +14,6 @@ from pathlib import Path
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/kernels.py must not shadow `kernels`
 from bench.workload import bench_checkpoint, make_workload  # noqa: E402
-
 from streamer import LLMEngine, SamplingParams  # noqa: E402
 from streamer.config import EngineConfig  # noqa: E402
 from streamer.random_checkpoint import TinyModelSpec, build_checkpoint  # noqa: E402
@@ -73,7 +72,8 @@ def main() -> None:
     off = run(engine_for(ckpt, False, system), prompts, greedy)
     print(f"  prefix caching on : {on['tok_s']:8.1f} tok/s  mean TTFT {on['ttft_ms']:8.1f} ms")
     print(f"  prefix caching off: {off['tok_s']:8.1f} tok/s  mean TTFT {off['ttft_ms']:8.1f} ms")
-    print(f"  ratio on/off: throughput {on['tok_s'] / off['tok_s']:.2f}x, TTFT {off['ttft_ms'] / on['ttft_ms']:.2f}x faster")
+    print(f"  ratio on/off: throughput {on['tok_s'] / off['tok_s']:.2f}x, "
+          f"TTFT {off['ttft_ms'] / on['ttft_ms']:.2f}x faster")
 
     # Cost of caching when nothing hits: distinct prompts, caching on vs off.
     work = make_workload(args.requests, vocab, min_out=args.max_tokens, max_out=args.max_tokens, seed=1)
@@ -88,8 +88,9 @@ def main() -> None:
     sample = dict(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True)
     shared = run(engine_for(ckpt, False), [prompt], [SamplingParams(n=n, seed=1, **sample)])
     separate = run(engine_for(ckpt, False), [prompt] * n, [SamplingParams(seed=1 + i, **sample) for i in range(n)])
+    saved = 1 - shared["peak_blocks"] / separate["peak_blocks"]
     print(f"n={n} parallel sampling, {len(prompt)}-token prompt: peak KV blocks {shared['peak_blocks']} shared vs "
-          f"{separate['peak_blocks']} independent ({100 * (1 - shared['peak_blocks'] / separate['peak_blocks']):.0f}% less)")
+          f"{separate['peak_blocks']} independent ({100 * saved:.0f}% less)")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import torch
 # `kernels` package: put the repository root there instead.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 from bench.workload import Workload, bench_checkpoint, make_workload  # noqa: E402
-
 from streamer import LLMEngine, SamplingParams  # noqa: E402
 from streamer.config import EngineConfig  # noqa: E402
 
