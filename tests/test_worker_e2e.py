@@ -73,6 +73,21 @@ async def test_token_ids_messages_and_n_samples(llama_ckpt, redis_url):
     assert by_ids.token_ids == {0: expected, 1: expected}
     assert by_ids.finish_reasons == ["length", "length"] and by_ids.usage["completion_tokens"] == 10
     assert len(chat.token_ids[0]) == 8 and chat.usage["prompt_tokens"] > 4
+    events = read_events(redis_url, by_ids.id)
+    assert all("logprobs" not in e for e in events)
+
+
+@pytest.mark.anyio
+async def test_logprobs_in_token_events(llama_ckpt, redis_url):
+    params = {**GREEDY, "logprobs": 2}
+    async with running_worker(llama_ckpt, redis_url), AsyncClient(redis_url, encoding="msgpack") as client:
+        result = await client.generate(prompt_token_ids=[5, 6, 7], params=params, timeout=30)
+    expected = LLM(**{"model": str(llama_ckpt), **ENGINE}).generate([[5, 6, 7]], SamplingParams(**params))
+    want = [sorted([t, pytest.approx(lp, abs=1e-4)] for t, lp in step.items())
+            for step in expected[0].outputs[0].logprobs]
+    got = [sorted(pair for pair in step) for e in read_events(redis_url, result.id) if e["type"] == "token"
+           for step in e["logprobs"]]
+    assert got == want
 
 
 @pytest.mark.anyio

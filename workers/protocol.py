@@ -247,9 +247,14 @@ def encode_job(job: dict[str, Any], encoding: str = "json") -> dict[str, bytes]:
     return {encoding: encode({"v": VERSION, **job}, encoding)}
 
 
-def token_event(request_id: str, seq: int, index: int, token_ids: list[int], text: str) -> dict[str, Any]:
-    return {"v": VERSION, "id": request_id, "seq": seq, "type": "token", "index": index,
-            "token_ids": token_ids, "text": text}
+def token_event(request_id: str, seq: int, index: int, token_ids: list[int], text: str,
+                logprobs: list[dict[int, float]] | None = None) -> dict[str, Any]:
+    event = {"v": VERSION, "id": request_id, "seq": seq, "type": "token", "index": index,
+             "token_ids": token_ids, "text": text}
+    if logprobs is not None:
+        # Per token, [token id, log-prob] pairs: JSON object keys could not stay integers.
+        event["logprobs"] = [[[int(t), float(lp)] for t, lp in step.items()] for step in logprobs]
+    return event
 
 
 def done_event(request_id: str, seq: int, finish_reasons: list[str], usage: dict[str, int]) -> dict[str, Any]:

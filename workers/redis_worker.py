@@ -455,7 +455,7 @@ class Worker:
             for c in out.outputs:
                 if c.token_ids:
                     events.append(token_event(job.id, run.next_seq + len(events), c.index,
-                                              list(c.token_ids), c.text))
+                                              list(c.token_ids), c.text, c.logprobs))
                     emitted[c.index] = emitted.get(c.index, 0) + len(c.token_ids)
                 if c.finish_reason is not None:
                     reasons[c.index] = c.finish_reason
