@@ -72,7 +72,7 @@ def build_tokenizer(vocab_size: int, path: Path) -> Any:
 
 
 def build_checkpoint(path: str | Path, spec: TinyModelSpec | None = None, seed: int = 0,
-                     dtype: str = "float32") -> Path:
+                     dtype: str = "float32", max_shard_size: str | None = None) -> Path:
     """Write config.json, model.safetensors and tokenizer files for a random model into `path`."""
     import torch
     import transformers
@@ -118,7 +118,8 @@ def build_checkpoint(path: str | Path, spec: TinyModelSpec | None = None, seed: 
                 p.normal_(0.0, 0.08)
             else:
                 p.normal_(0.0, 0.05)
-    model.to(getattr(torch, dtype)).save_pretrained(str(path))
+    extra = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.to(getattr(torch, dtype)).save_pretrained(str(path), **extra)
     generation_config = path / "generation_config.json"
     if generation_config.exists():
         cfg = json.loads(generation_config.read_text())

@@ -76,3 +76,32 @@ def test_text_prompts_match_transformers_tokenization(llama_ckpt):
     assert out.prompt_token_ids == ids
     assert out.outputs[0].token_ids == hf_greedy(llama_ckpt, (tuple(ids),), (12,))[0]
     assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("arch, extra, shard", [
+    ("mistral", {}, None),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 128}}, None),
+    ("llama", {}, "60KB"),  # sharded safetensors with an index file
+])
+def test_parity_other_llama_family_checkpoints(tmp_path, arch, extra, shard):
+    from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
+
+    spec = TinyModelSpec(arch=arch, extra=extra)
+    ckpt = build_checkpoint(tmp_path / arch, spec, seed=5, max_shard_size=shard)
+    if shard:
+        assert (ckpt / "model.safetensors.index.json").exists()
+    prompts = parity_prompts(512, seed=9)
+    got, _ = run_engine(ckpt, prompts, max_num_batched_tokens=256, num_kv_blocks=256)
+    assert got == reference(ckpt, prompts)
+
+
+def test_half_precision_runs_close_to_float32(llama_ckpt):
+    """bfloat16 cannot match float32 token for token; its first greedy tokens mostly agree."""
+    prompts = parity_prompts(512, seed=11)
+    ref, _ = run_engine(llama_ckpt, prompts, num_kv_blocks=256)
+    llm = LLM(str(llama_ckpt), dtype="bfloat16", num_kv_blocks=256)
+    assert llm.stats()["dtype"] == "bfloat16"
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=4))
+    agree = sum(o.outputs[0].token_ids[0] == r[0] for o, r in zip(outs, ref))
+    assert agree >= 6, agree
