@@ -82,8 +82,9 @@ async def _client_ws(url: str, ids: list[str], ready: Any, go: Any) -> dict[str,
     for r in results:
         if isinstance(r, Exception):
             closes[type(r).__name__] = closes.get(type(r).__name__, 0) + 1
+    last_at = time.perf_counter()
     await asyncio.gather(*(c.close() for c in conns))
-    return {"latencies": latencies, "received": received, "failures": closes}
+    return {"latencies": latencies, "received": received, "failures": closes, "last_at": last_at}
 
 
 async def _client_direct(redis_url: str, ids: list[str], ready: Any, go: Any) -> dict[str, Any]:
@@ -108,9 +109,11 @@ async def _client_direct(redis_url: str, ids: list[str], ready: Any, go: Any) ->
             latencies.append(now - float(event["text"]))
         else:
             left.discard(event["id"])
+    last_at = time.perf_counter()
     await pubsub.aclose()
     await r.aclose()
-    return {"latencies": latencies, "received": len(latencies), "failures": {"unfinished": len(left)} if left else {}}
+    return {"latencies": latencies, "received": len(latencies), "last_at": last_at,
+            "failures": {"unfinished": len(left)} if left else {}}
 
 
 def client_process(mode: str, target: str, ids: list[str], ready: Any, go: Any, out: Any) -> None:
@@ -118,7 +121,8 @@ def client_process(mode: str, target: str, ids: list[str], ready: Any, go: Any, 
     try:
         out.put(asyncio.run(fn(target, ids, ready, go)))
     except Exception as e:  # reported, so the parent does not wait forever
-        out.put({"latencies": [], "received": 0, "failures": {repr(e)[:200]: len(ids)}})
+        out.put({"latencies": [], "received": 0, "last_at": time.perf_counter(),
+                 "failures": {repr(e)[:200]: len(ids)}})
         ready.set()
 
 
@@ -186,9 +190,13 @@ def run_round(mode: str, target: str, redis_url: str, streams: int, tokens: int,
         if not ev.wait(300):
             raise TimeoutError("clients did not connect")
     cpu0 = cpu_seconds(gateway_pid)
+    started = time.perf_counter()
     go.set()
-    wall = max(produced.get(timeout=300) for _ in makers)
+    for _ in makers:
+        produced.get(timeout=300)
     parts = [out.get(timeout=300) for _ in procs]
+    # From the first step to the last event in a client's hands (CLOCK_MONOTONIC is machine-wide).
+    wall = max(part["last_at"] for part in parts) - started
     gateway_cpu = cpu_seconds(gateway_pid) - cpu0
     for p in procs + makers:
         p.join(30)
