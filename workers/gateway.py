@@ -110,7 +110,7 @@ class Gateway:
             handle.cancel()
         self._pending_cancels.clear()
         if self.server is not None:
-            self.server.close(close_connections=True)
+            self.server.close()  # closes open connections too (1001 going away)
             await self.server.wait_closed()
         await self.hub.close()
 
