@@ -45,12 +45,13 @@ def paged_prefill_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, va
                                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """`query` `[T, H, D]` (new tokens of all sequences, concatenated) -> `[T, H, D]`.
 
-    Sequence b owns query rows `query_start_loc[b]:query_start_loc[b+1]`; its new tokens are the
+    Sequence b owns query rows `query_start_loc[b]:query_start_loc[b+1]` (relative to
+    `query_start_loc[0]`, so a slice of a larger batch's offsets works); its new tokens are the
     last ones of its `seq_lens[b]` cached tokens, so new token i sits at position
     `seq_lens[b] - q_len + i` and attends to positions `<=` that.
     """
     out = torch.empty_like(query)
-    starts = query_start_loc.tolist()
+    starts = [x - int(query_start_loc[0]) for x in query_start_loc.tolist()]  # may be a slice of a batch
     lens = seq_lens.tolist()
     for b, seq_len in enumerate(lens):
         q_start, q_end = starts[b], starts[b + 1]

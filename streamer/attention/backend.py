@@ -41,10 +41,32 @@ class AttentionBackend(ABC):
                  value_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         """Store this step's `key`/`value` `[T, kv_heads, head_size]` at `meta.slot_mapping`."""
 
-    @abstractmethod
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Attention of `query` `[T, heads, head_size]` over the cache (after `write_kv`)."""
+        """Attention of `query` `[T, heads, head_size]` over the cache (after `write_kv`):
+        decodes and prefills fill disjoint row ranges of one output."""
+        out = torch.empty_like(query)
+        nd = meta.num_decodes
+        if nd:
+            self.decode(query[:nd], key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+                        meta.max_decode_seq_len, out[:nd])
+        if nd < meta.seq_lens.shape[0]:
+            self.prefill(query[nd:], key_cache, value_cache, meta.block_tables[nd:], meta.query_start_loc[nd:],
+                         meta.seq_lens[nd:], scale, meta.max_query_len, out[nd:])
+        return out
+
+    @abstractmethod
+    def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
+               out: torch.Tensor) -> None:
+        """One query token per sequence (kernels/paged_attention.py: paged_decode_attention_ref)."""
+
+    @abstractmethod
+    def prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                max_query_len: int, out: torch.Tensor) -> None:
+        """New tokens over cached context (kernels/paged_attention.py: paged_prefill_attention_ref);
+        `query_start_loc` may be a slice of the batch's offsets (rows relative to its first)."""
 
     @abstractmethod
     def copy_blocks(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],

@@ -17,7 +17,8 @@ class CpuBackend(TorchBackend):
         self.compiled = load() is not None
 
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int) -> torch.Tensor:
+               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
+               out: torch.Tensor) -> None:
         if not self.compiled:
-            return super().decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len)
-        return paged_decode_attention_cpu(query, key_cache, value_cache, block_tables, seq_lens, scale)
+            return super().decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, out)
+        out.copy_(paged_decode_attention_cpu(query, key_cache, value_cache, block_tables, seq_lens, scale))

@@ -19,24 +19,17 @@ class TorchBackend(AttentionBackend):
                  value_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         reshape_and_cache_ref(key, value, key_cache, value_cache, meta.slot_mapping)
 
-    def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        nd = meta.num_decodes
-        num_seqs = meta.seq_lens.shape[0]
-        if nd == num_seqs:
-            return self.decode(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale,
-                               meta.max_decode_seq_len)
-        out = torch.empty_like(query)
-        if nd:
-            out[:nd] = self.decode(query[:nd], key_cache, value_cache, meta.block_tables[:nd],
-                                   meta.seq_lens[:nd], scale, meta.max_decode_seq_len)
-        out[nd:] = paged_prefill_attention_ref(query[nd:], key_cache, value_cache, meta.block_tables[nd:],
-                                               meta.query_start_loc[nd:] - nd, meta.seq_lens[nd:], scale)
-        return out
-
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int) -> torch.Tensor:
-        return paged_decode_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len)
+               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
+               out: torch.Tensor) -> None:
+        out.copy_(paged_decode_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                             max_seq_len))
+
+    def prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                max_query_len: int, out: torch.Tensor) -> None:
+        out.copy_(paged_prefill_attention_ref(query, key_cache, value_cache, block_tables, query_start_loc,
+                                              seq_lens, scale))
 
     def copy_blocks(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
                     block_mapping: torch.Tensor) -> None:

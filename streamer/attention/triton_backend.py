@@ -28,20 +28,18 @@ class TritonBackend(AttentionBackend):
                  value_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
 
-    def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        # Decodes and prefills write disjoint row ranges of one output; no copies, no host syncs
-        # (the lengths the grids need come from the metadata's Python ints).
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        nd = meta.num_decodes
-        if nd:
-            paged_decode_attention(query[:nd], key_cache, value_cache, meta.block_tables[:nd],
-                                   meta.seq_lens[:nd], scale, meta.max_decode_seq_len, out=out[:nd])
-        if nd < meta.seq_lens.shape[0]:
-            paged_prefill_attention(query[nd:], key_cache, value_cache, meta.block_tables[nd:],
-                                    meta.query_start_loc[nd:], meta.seq_lens[nd:], scale,
-                                    meta.max_query_len, out=out[nd:])
-        return out
+    # Decodes and prefills write disjoint row ranges of one output; no copies, no host syncs
+    # (the lengths the grids need come from the metadata's Python ints).
+    def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
+               out: torch.Tensor) -> None:
+        paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, out=out)
+
+    def prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                max_query_len: int, out: torch.Tensor) -> None:
+        paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+                                max_query_len, out=out)
 
     def copy_blocks(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
                     block_mapping: torch.Tensor) -> None:
