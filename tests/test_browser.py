@@ -115,6 +115,16 @@ async def test_page_streams_stops_and_resumes_after_reload(llama_ckpt: Path, red
             assert 0 < len(tokens_of(events2)) == events2[-1]["usage"]["completion_tokens"] <= 400
             assert text2 == "".join(e["text"] for e in events2)
             assert await page.locator(".msg.user").count() == 2  # the conversation survived the reload
+
+            # A gateway that needs an API key: the page's key setting opens the socket.
+            async with running_gateway(config(redis_url, api_keys=("page-key",))) as locked:
+                page = await browser.new_page()
+                page.on("pageerror", lambda e: page_errors.append(str(e)))
+                await page.goto(locked.url)
+                await settings(page, token="page-key", max_tokens="5")
+                await ask(page, "Hi")
+                await page.wait_for_selector(".msg.assistant[data-state=done]", timeout=30000)
+                assert await page.get_attribute("#status", "data-status") == "open"
             assert page_errors == []
         except BaseException:
             await page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)

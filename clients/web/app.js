@@ -232,6 +232,11 @@ for (const id of [...Object.keys(NUMBER_PARAMS), "mode", "system", "extra"]) {
   $(id).addEventListener("change", () => localStorage.setItem(key, $(id).value));
 }
 ui.token.value = localStorage.getItem(`${STORE}.token`) || "";
+// A new key needs a new connection; reloading also resumes the answer in progress with it.
+ui.token.addEventListener("change", () => {
+  localStorage.setItem(`${STORE}.token`, ui.token.value.trim());
+  if (current) location.reload();
+});
 
 // Restore the conversation; an answer that was streaming when the page went away is resumed from the
 // start of its events (the gateway replays them from Redis, then continues live).
