@@ -136,6 +136,8 @@ async function follow(stream, el, sentAt) {
   ui.finish.textContent = "";
   showStats(a);
   let meta = "";
+  // Until the first token: say so if it takes a while (a long queue, or no worker running).
+  const waiting = setTimeout(() => a.firstAt || setMeta(el, "waiting for a worker…"), 2000);
   try {
     for await (const event of stream) {
       const now = performance.now();
@@ -143,6 +145,7 @@ async function follow(stream, el, sentAt) {
         if (!a.firstAt) {
           a.firstAt = now;
           if (sentAt != null) a.ttft = now - sentAt;
+          el.querySelector(".meta")?.remove();
         }
         a.lastAt = now;
         a.tokens += event.token_ids ? event.token_ids.length : 1;
@@ -159,6 +162,7 @@ async function follow(stream, el, sentAt) {
     el.dataset.state = "error";
     meta = err instanceof StreamerError ? `error ${err.code}: ${err.event.message}` : `error: ${err}`;
   }
+  clearTimeout(waiting);
   a.textEl.textContent = a.text;
   showStats(a);
   ui.finish.textContent = meta;
