@@ -218,11 +218,12 @@ async def test_resume_after_disconnect_has_no_gap_or_duplicate(redis_url: str) -
     await r.aclose()
 
 
-async def _cancels(r: aioredis.Redis) -> tuple[aioredis.client.PubSub, list[str]]:
+async def _cancels(r: aioredis.Redis) -> aioredis.client.PubSub:
+    """A subscriber on the cancel channel: what the worker would hear."""
     pubsub = r.pubsub()
     await pubsub.subscribe(NAMES.cancel)
     await pubsub.get_message(timeout=1)  # subscribe confirmation
-    return pubsub, []
+    return pubsub
 
 
 async def _drain_cancels(pubsub: aioredis.client.PubSub, seconds: float) -> list[str]:
@@ -238,7 +239,7 @@ async def _drain_cancels(pubsub: aioredis.client.PubSub, seconds: float) -> list
 @pytest.mark.anyio
 async def test_closed_socket_cancels_after_grace_unless_resumed(redis_url: str) -> None:
     r = aioredis.Redis.from_url(redis_url)
-    pubsub, _ = await _cancels(r)
+    pubsub = await _cancels(r)
     async with running_gateway(config(redis_url, cancel_grace_s=0.5)) as gw:
         async with connect(gw.ws_url) as ws:
             for rid in ("lost", "kept"):
@@ -264,7 +265,7 @@ async def test_closed_socket_cancels_after_grace_unless_resumed(redis_url: str) 
 @pytest.mark.anyio
 async def test_resume_through_another_gateway_stops_the_grace_cancel(redis_url: str) -> None:
     r = aioredis.Redis.from_url(redis_url)
-    pubsub, _ = await _cancels(r)
+    pubsub = await _cancels(r)
     async with running_gateway(config(redis_url, cancel_grace_s=0.5)) as a, \
             running_gateway(config(redis_url, cancel_grace_s=0.5)) as b:
         async with connect(a.ws_url) as ws:
