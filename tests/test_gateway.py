@@ -347,6 +347,11 @@ async def test_api_keys_and_origins_refuse_before_any_job(redis_url: str) -> Non
         assert (await http_get(gw.url + "metrics", {"Authorization": "Bearer k-one"}))[0] == 200
         assert (await http_get(gw.url))[0] == 200  # the page itself is public; the key goes in its settings
     assert await r.xlen(NAMES.requests) == 2
+    async with running_gateway(config(redis_url, max_connections=1)) as gw, connect(gw.ws_url):
+        with pytest.raises(InvalidStatus) as refused:
+            async with connect(gw.ws_url):
+                pass
+        assert refused.value.response.status_code == 503
     async with running_gateway(config(redis_url)) as gw:
         host = f"127.0.0.1:{gw.port}"
         with pytest.raises(InvalidStatus) as refused:

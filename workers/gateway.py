@@ -45,6 +45,7 @@ class GatewayConfig:
     allowed_origins: tuple[str, ...] = ()  # empty: same origin only; "*": any
     max_frame_bytes: int = 1 << 20  # larger frames get an `error` frame
     max_inflight: int = 16  # requests streaming at once per connection
+    max_connections: int = 10000  # open WebSockets; more are refused with HTTP 503
     send_queue_bytes: int = 4 << 20  # per connection, beyond what the socket buffers hold
     cancel_grace_s: float = 10.0  # a closed socket's requests are cancelled after this, unless resumed
     request_ttl_s: float = 3600.0  # lifetime of the gateway's id claims and cancel markers
@@ -68,7 +69,8 @@ class Gateway:
         self.hub = Hub(config.redis_url, self.names, self.metrics, ttl_s=config.request_ttl_s,
                        idle_poll_s=config.idle_poll_s)
         self.routes = Routes(config.web_root, config.api_keys, config.allowed_origins, self.health,
-                             self.render_metrics, lambda: self.metrics.inc("connections_refused_total"))
+                             self.render_metrics, lambda: self.metrics.inc("connections_refused_total"),
+                             lambda: len(self.sessions) < config.max_connections)
         self.sessions: set[Session] = set()
         self._pending_cancels: dict[str, asyncio.TimerHandle] = {}
         self.hub.on_resumed = self.keep  # a resume through any gateway stops our grace-period cancel
@@ -205,6 +207,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest client frame accepted")
     parser.add_argument("--max-inflight", type=int, default=d.max_inflight,
                         help="requests streaming at once per connection")
+    parser.add_argument("--max-connections", type=int, default=d.max_connections,
+                        help="open WebSockets; more are refused with HTTP 503")
     parser.add_argument("--send-queue-bytes", type=int, default=d.send_queue_bytes,
                         help="per-connection bound on unsent frames; a slower reader is closed (code 4008)")
     parser.add_argument("--cancel-grace", type=float, default=d.cancel_grace_s,
@@ -233,6 +237,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(host=args.host, port=args.port, redis_url=args.redis, prefix=args.prefix,
                          api_keys=tuple(keys), allowed_origins=tuple(args.allowed_origin or ()),
                          max_frame_bytes=args.max_frame_bytes, max_inflight=args.max_inflight,
+                         max_connections=args.max_connections,
                          send_queue_bytes=args.send_queue_bytes, cancel_grace_s=args.cancel_grace,
                          request_ttl_s=args.request_ttl, web_root=args.web_root)
 

@@ -79,8 +79,9 @@ def origin_ok(request: Request, allowed: tuple[str, ...]) -> bool:
 class Routes:
     def __init__(self, web_root: Path, api_keys: tuple[str, ...], allowed_origins: tuple[str, ...],
                  health: Callable[[], Awaitable[tuple[bool, dict]]], metrics: Callable[[], str],
-                 on_refused: Callable[[], None]) -> None:
+                 on_refused: Callable[[], None], room: Callable[[], bool] = lambda: True) -> None:
         self.files = static_files(web_root)
+        self.room = room
         self.api_keys = api_keys
         self.allowed_origins = tuple(o.rstrip("/") for o in allowed_origins)
         self.health, self.metrics, self.on_refused = health, metrics, on_refused
@@ -96,6 +97,10 @@ class Routes:
                 return response(401, "missing or invalid API key: send `Authorization: Bearer KEY` "
                                      "or connect to /ws?token=KEY\n",
                                 extra=[("WWW-Authenticate", 'Bearer realm="streamer"')])
+            if not self.room():
+                self.on_refused()
+                return response(503, "too many connections to this gateway; retry later\n",
+                                extra=[("Retry-After", "5")])
             return None
         if path == "/healthz":
             ok, body = await self.health()

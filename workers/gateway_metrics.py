@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 _METRICS: dict[str, tuple[str, str]] = {
     "connections_open": ("gauge", "WebSocket connections open now."),
     "connections_total": ("counter", "WebSocket connections accepted."),
-    "connections_refused_total": ("counter", "Handshakes refused (bad API key or origin)."),
+    "connections_refused_total": ("counter", "Handshakes refused (bad API key or origin, too many connections)."),
     "requests_inflight": ("gauge", "Requests being relayed to an open connection now."),
     "requests_total": ("counter", "Jobs pushed onto the requests stream."),
     "resumes_total": ("counter", "Resume frames accepted."),
