@@ -31,6 +31,8 @@ class RankProcesses:
         self.failed = threading.Event()
         self._closing = False
         self._lock = threading.Lock()
+        # Called (from the watchdog thread) after a failure, once the other ranks are killed.
+        self.on_failure: Callable[[], None] | None = None
         try:
             for rank in range(1, size):
                 read_fd, write_fd = os.pipe()
@@ -83,6 +85,9 @@ class RankProcesses:
             self.failure = self.describe(rank)
         self.kill_all()
         self.failed.set()
+        if self.on_failure is not None:
+            with contextlib.suppress(Exception):
+                self.on_failure()
 
     def describe(self, rank: int) -> str:
         proc = self.procs[rank]

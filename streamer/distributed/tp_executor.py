@@ -97,6 +97,7 @@ class TPExecutor:
             torch.set_num_threads(threads)
             self._wait_for_ranks(store)
             self.channel, self.group = connect(store, 0, size, self.device)
+            self.procs.on_failure = self._abort_device_group
             self.runner = ModelRunner(config, model_config, self.device, sampler, self.group)
         except BaseException as exc:
             failure = self.procs.wait_for_failure(1.0)
@@ -150,6 +151,12 @@ class TPExecutor:
         self._dead = failure or f"tensor-parallel step failed on rank 0: {exc!r}"
         self._stop_all()
         return TensorParallelError(self._dead)
+
+    def _abort_device_group(self) -> None:
+        """NCCL keeps waiting on a dead peer (gloo fails as soon as its sockets close): abort the
+        communicators so that rank 0's pending GPU work errors out instead of hanging."""
+        if self.device.type == "cuda":
+            self.group.pg.abort()
 
     def shutdown(self) -> None:
         """Tell every rank to stop and join it; idempotent, and safe after a failure."""
