@@ -20,6 +20,7 @@ import json
 import os
 import time
 import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -70,6 +71,20 @@ def rank_devices(device: torch.device, size: int) -> list[torch.device]:
     return [torch.device("cuda", first + r) for r in range(size)]
 
 
+def _usable_cores() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity else os.cpu_count() or 1
+
+
+def rank_environment(threads: int) -> dict[str, str]:
+    """The ranks' environment: ours, their thread count, and this checkout's root on the path
+    (the engine may have found `streamer` through a sys.path entry a new interpreter lacks)."""
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.environ.get("PYTHONPATH")
+    return dict(os.environ, OMP_NUM_THREADS=str(threads),
+                PYTHONPATH=root if not path else os.pathsep.join([root, path]))
+
+
 class TPExecutor:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device,
                  sampler: Sampler) -> None:
@@ -81,9 +96,9 @@ class TPExecutor:
         self._dead: str | None = None
         self._saved_threads = torch.get_num_threads()
         # CPU ranks share this machine's cores: give each its share, or they thrash.
-        threads = max(1, len(os.sched_getaffinity(0)) // size) if device.type == "cpu" else self._saved_threads
+        threads = max(1, _usable_cores() // size) if device.type == "cpu" else self._saved_threads
         store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=SETUP_TIMEOUT, wait_for_workers=False)
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        env = rank_environment(threads)
         settings = json.dumps(dataclasses.asdict(config))
 
         def argv(rank: int) -> list[str]:
