@@ -110,7 +110,7 @@ export class StreamerClient {
     this.maxBackoffMs = options.maxBackoffMs ?? 5000;
     this.onStatus = options.onStatus || (() => {});
     this.status = "closed";
-    this._streams = new Map(); // id -> Stream (unfinished)
+    this._streams = new Map(); // id -> Stream, while unfinished
     this._outbox = []; // frames waiting for the socket to open
     this._ws = null;
     this._closedByUser = false;
@@ -244,8 +244,10 @@ export class StreamerClient {
     if (event.type === "error" && event.source === "gateway" && event.code === "already_finished") {
       // Resumed a request whose end we had already seen (a reload raced its `done`): nothing is missing.
       stream._push({ type: "done", id: event.id, finish_reason: null, resumed_after_end: true });
-      return;
+    } else {
+      stream._push(event);
     }
-    stream._push(event);
+    // The stream keeps its own events; the client only tracks unfinished ones (for reconnects).
+    if (stream.finished) this._forget(stream);
   }
 }
