@@ -14,7 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
+from redis_worker_helpers import NAMES, offline_tokens, tokens_of, wait_for, worker_process
 
+from clients.redis_client import AsyncClient
 from streamer import LLM, AsyncEngine, EngineConfig, SamplingParams
 from streamer.async_engine import EngineDeadError
 from streamer.distributed.errors import TensorParallelError
@@ -41,8 +44,10 @@ def qwen2_odd_vocab_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("qwen2_odd"), spec, seed=5)
 
 
-def child_processes() -> list[tuple[int, str]]:
-    """(pid, state) of this process's children that are still running (zombies excluded)."""
+def child_processes(parent: int | None = None) -> list[tuple[int, str]]:
+    """(pid, state) of the children of `parent` (default: this process) that are still running
+    (zombies excluded)."""
+    parent = os.getpid() if parent is None else parent
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -51,7 +56,7 @@ def child_processes() -> list[tuple[int, str]]:
             stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(stat[1]) == os.getpid() and stat[0] != "Z":
+        if int(stat[1]) == parent and stat[0] != "Z":
             found.append((int(entry), stat[0]))
     return found
 
@@ -196,3 +201,32 @@ def test_step_after_failure_raises_at_once(llama_ckpt):
     finally:
         llm.shutdown()
     assert child_processes() == []
+
+
+@pytest.mark.anyio
+async def test_worker_cli_tp_flag_serves_jobs_and_stops_its_ranks(llama_ckpt, redis_url, tmp_path):
+    """`streamer worker --tp 2`: the same tokens through Redis as one device offline; SIGTERM
+    stops the worker cleanly and its rank with it."""
+    log = tmp_path / "worker.log"
+    proc = worker_process(llama_ckpt, redis_url, "--tp", "2", log_path=log)
+    r = redis.Redis.from_url(redis_url)
+    try:
+        params = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+        expected = offline_tokens(llama_ckpt, ["split over two ranks"], SamplingParams(**params))[0]
+        await wait_for(lambda: len(r.keys(NAMES.worker("*"))) == 1 or proc.poll() is not None,
+                       timeout=120, interval=0.1)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        ranks = [pid for pid, _ in child_processes(proc.pid)]
+        assert len(ranks) == 1
+        async with AsyncClient(redis_url) as client:
+            request_id = await client.submit("split over two ranks", params=params)
+            events = [e async for e in client.stream(request_id, timeout=60)]
+        assert tokens_of(events) == expected
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()[-3000:]
+        assert not any(running(pid) for pid in ranks)
+    finally:
+        r.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
