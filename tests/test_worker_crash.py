@@ -20,6 +20,7 @@ from redis_worker_helpers import (
 
 from clients.redis_client import AsyncClient
 from streamer import SamplingParams
+from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
 from workers.protocol import Names, decode_job
 from workers.redis_server import RedisServer
 
@@ -29,8 +30,8 @@ def anyio_backend():
     return "asyncio"
 
 
-LONG = {"max_tokens": 120, "temperature": 0.0, "ignore_eos": True}
-SEEDED = {"max_tokens": 120, "temperature": 0.9, "seed": 7, "ignore_eos": True}
+LONG = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+SEEDED = {"max_tokens": 400, "temperature": 0.9, "seed": 7, "ignore_eos": True}
 NAMES = Names()
 
 
@@ -175,15 +176,22 @@ def test_worker_cli_refuses_missing_redis(llama_ckpt):
     assert b"cannot reach Redis" in out.stderr and b"Traceback" not in out.stderr
 
 
+@pytest.fixture(scope="module")
+def long_context_ckpt(tmp_path_factory):
+    """Tiny Llama with a 16k context: room for a job that outlasts any timing in these tests."""
+    return build_checkpoint(tmp_path_factory.mktemp("llama16k"),
+                            TinyModelSpec(arch="llama", max_position_embeddings=16384), seed=1)
+
+
 @pytest.mark.anyio
-async def test_inflight_entries_stay_fresh_and_a_takeover_stops_the_job(llama_ckpt, redis_url):
+async def test_inflight_entries_stay_fresh_and_a_takeover_stops_the_job(long_context_ckpt, redis_url):
     """A live worker's jobs are never reclaimable, however long they run; if another worker takes one
     over anyway (it thought this one dead), this worker stops it instead of racing."""
     r = redis.Redis.from_url(redis_url)
-    async with running_worker(llama_ckpt, redis_url, engine={"num_kv_blocks": 300}, claim_idle_s=1.0,
+    async with running_worker(long_context_ckpt, redis_url, engine={"num_kv_blocks": 2100}, claim_idle_s=1.0,
                               heartbeat_s=0.1) as worker, AsyncClient(redis_url) as client:
-        # 4 samples x 1000 tokens: ~1000 steps, longer than the 2 s watched below even on a fast machine.
-        rid = await client.submit("a long one", params={**LONG, "max_tokens": 1000, "n": 4})
+        # 2 samples x 16000 tokens: far longer than the 2 s watched below, on any machine.
+        rid = await client.submit("a long one", params={**LONG, "max_tokens": 16000, "n": 2})
         await wait_for(lambda: read_events(redis_url, rid), timeout=20)
         for _ in range(20):  # 2 s: twice the idle time after which entries are reclaimed
             taken = r.xautoclaim(NAMES.requests, NAMES.group, "thief", 1000, count=10)[1]
@@ -200,11 +208,12 @@ async def test_inflight_entries_stay_fresh_and_a_takeover_stops_the_job(llama_ck
 
 
 @pytest.mark.anyio
-async def test_cancel_marker_reaches_a_running_job(llama_ckpt, redis_url):
+async def test_cancel_marker_reaches_a_running_job(long_context_ckpt, redis_url):
     """A cancel whose PUBLISH nobody heard (pub/sub reconnecting) still stops the job."""
     r = redis.Redis.from_url(redis_url)
-    async with running_worker(llama_ckpt, redis_url), AsyncClient(redis_url) as client:
-        rid = await client.submit("stop me", params={**LONG, "max_tokens": 900})
+    async with running_worker(long_context_ckpt, redis_url, engine={"num_kv_blocks": 1100}), \
+            AsyncClient(redis_url) as client:
+        rid = await client.submit("stop me", params={**LONG, "max_tokens": 16000})
         await wait_for(lambda: read_events(redis_url, rid), timeout=20)
         r.set(NAMES.cancelled(rid), 1)  # the marker only, no PUBLISH
         events = [e async for e in client.stream(rid, timeout=10)]
@@ -213,11 +222,12 @@ async def test_cancel_marker_reaches_a_running_job(llama_ckpt, redis_url):
 
 
 @pytest.mark.anyio
-async def test_worker_survives_redis_losing_its_data(llama_ckpt):
+async def test_worker_survives_redis_losing_its_data(long_context_ckpt):
     """Without AOF a restart loses the group and the jobs: the worker recreates the group and serves on."""
     with RedisServer() as server:
-        async with running_worker(llama_ckpt, server.url) as worker, AsyncClient(server.url) as client:
-            await client.submit("lost with the data", params={**LONG, "max_tokens": 900})
+        async with running_worker(long_context_ckpt, server.url, engine={"num_kv_blocks": 1100}) as worker, \
+                AsyncClient(server.url) as client:
+            await client.submit("lost with the data", params={**LONG, "max_tokens": 16000})
             await wait_for(lambda: worker.stats()["jobs"] == 1, timeout=20)
             await anyio.to_thread.run_sync(server.restart, 0.2)
             after = await client.generate("after the restart", params=LONG, timeout=30)
