@@ -14,12 +14,18 @@ import anyio
 import redis
 
 from streamer import LLM, AsyncEngine, EngineConfig, SamplingParams
+from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
 from workers.protocol import Names, decode_event, seq_of_stream_id
 from workers.redis_worker import Worker, WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = Names()
 ENGINE = {"num_kv_blocks": 128, "block_size": 16, "max_num_seqs": 32}
+
+
+def long_context_checkpoint(directory: Path) -> Path:
+    """Tiny Llama with a 16k context: room for a job that outlasts any timing in a test."""
+    return build_checkpoint(directory, TinyModelSpec(arch="llama", max_position_embeddings=16384), seed=1)
 
 
 def engine_config(ckpt: Path, **overrides: Any) -> EngineConfig:

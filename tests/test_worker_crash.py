@@ -10,6 +10,7 @@ import pytest
 import redis
 from redis_worker_helpers import (
     check_complete,
+    long_context_checkpoint,
     offline_tokens,
     read_events,
     running_worker,
@@ -20,7 +21,6 @@ from redis_worker_helpers import (
 
 from clients.redis_client import AsyncClient
 from streamer import SamplingParams
-from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
 from workers.protocol import Names, decode_job
 from workers.redis_server import RedisServer
 
@@ -178,9 +178,7 @@ def test_worker_cli_refuses_missing_redis(llama_ckpt):
 
 @pytest.fixture(scope="module")
 def long_context_ckpt(tmp_path_factory):
-    """Tiny Llama with a 16k context: room for a job that outlasts any timing in these tests."""
-    return build_checkpoint(tmp_path_factory.mktemp("llama16k"),
-                            TinyModelSpec(arch="llama", max_position_embeddings=16384), seed=1)
+    return long_context_checkpoint(tmp_path_factory.mktemp("llama16k"))
 
 
 @pytest.mark.anyio

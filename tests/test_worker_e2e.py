@@ -14,6 +14,7 @@ from redis_worker_helpers import (
     ENGINE,
     ROOT,
     check_complete,
+    long_context_checkpoint,
     offline_tokens,
     read_events,
     running_worker,
@@ -127,12 +128,18 @@ async def test_redis_cli_json_path_and_pubsub(llama_ckpt, redis_url, redis_serve
     assert redis.Redis.from_url(redis_url).xlen("llm:requests") == 0
 
 
+@pytest.fixture(scope="module")
+def long_context_ckpt(tmp_path_factory):
+    return long_context_checkpoint(tmp_path_factory.mktemp("llama16k"))
+
+
 @pytest.mark.anyio
-async def test_cancel_frees_blocks(llama_ckpt, redis_url):
+async def test_cancel_frees_blocks(long_context_ckpt, redis_url):
     r = redis.Redis.from_url(redis_url)
-    async with running_worker(llama_ckpt, redis_url) as worker, AsyncClient(redis_url) as client:
+    async with running_worker(long_context_ckpt, redis_url, engine={"num_kv_blocks": 1100}) as worker, \
+            AsyncClient(redis_url) as client:
         key = Names().worker(worker.cfg.consumer)
-        rid = await client.submit("a long answer please", params={"max_tokens": 900, "ignore_eos": True})
+        rid = await client.submit("a long answer please", params={"max_tokens": 16000, "ignore_eos": True})
         stream = client.stream(rid, timeout=30)
         first = await anext(stream)
         assert first["type"] == "token"
@@ -140,10 +147,10 @@ async def test_cancel_frees_blocks(llama_ckpt, redis_url):
         await client.cancel(rid)
         rest = [e async for e in stream]
         assert rest[-1]["type"] == "done" and rest[-1]["finish_reason"] == "abort"
-        assert len(tokens_of([first, *rest])) < 900
+        assert len(tokens_of([first, *rest])) < 16000
         await wait_for(lambda: int(r.hget(key, "kv_blocks_used")) == 0 and int(r.hget(key, "running")) == 0,
                        timeout=10)
-        assert r.hget(key, "model") == str(llama_ckpt).encode()
+        assert r.hget(key, "model") == str(long_context_ckpt).encode()
         # A job cancelled before any worker read it is answered with abort, not run.
         rid2 = "cancelled-early"
         await client.cancel(rid2)
@@ -250,11 +257,11 @@ async def test_reads_only_what_the_engine_can_admit(llama_ckpt, redis_url):
 
 
 @pytest.mark.anyio
-async def test_generate_cli_ctrl_c_cancels_the_request(llama_ckpt, redis_url):
+async def test_generate_cli_ctrl_c_cancels_the_request(long_context_ckpt, redis_url):
     r = redis.Redis.from_url(redis_url)
-    async with running_worker(llama_ckpt, redis_url):
+    async with running_worker(long_context_ckpt, redis_url, engine={"num_kv_blocks": 1100}):
         proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "generate", "hi", "--redis", redis_url,
-                                 "--max-tokens", "1000", "--params", '{"ignore_eos": true}'],
+                                 "--max-tokens", "16000", "--params", '{"ignore_eos": true}'],
                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
             await wait_for(lambda: r.keys("llm:events:*"), timeout=60)
@@ -268,5 +275,5 @@ async def test_generate_cli_ctrl_c_cancels_the_request(llama_ckpt, redis_url):
         rid = r.keys("llm:events:*")[0].decode().split(":", 2)[2]
         await wait_for(lambda: read_events(redis_url, rid)[-1]["type"] == "done", timeout=10)
     done = read_events(redis_url, rid)[-1]
-    assert done["finish_reason"] == "abort" and done["usage"]["completion_tokens"] < 1000
+    assert done["finish_reason"] == "abort" and done["usage"]["completion_tokens"] < 16000
     r.close()
