@@ -63,10 +63,18 @@ def worker_process(ckpt: Path, redis_url: str, *extra: str, log_path: Path | Non
         return subprocess.Popen(args, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
-def offline_tokens(ckpt: Path, prompts: list[Any], params: SamplingParams) -> list[list[int]]:
-    """Sample-0 tokens of each prompt from the offline engine: what Redis must deliver."""
+def offline_completions(ckpt: Path, prompts: list[Any], params: SamplingParams) -> list[tuple[list[int], str]]:
+    """Sample-0 (tokens, text) of each prompt from the offline engine: what Redis must deliver."""
     llm = LLM(**{"model": str(ckpt), **ENGINE})
-    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    return [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in llm.generate(prompts, params)]
+
+
+def offline_tokens(ckpt: Path, prompts: list[Any], params: SamplingParams) -> list[list[int]]:
+    return [tokens for tokens, _ in offline_completions(ckpt, prompts, params)]
+
+
+def text_of(events: list[dict[str, Any]], index: int = 0) -> str:
+    return "".join(e["text"] for e in events if e["index"] == index)
 
 
 def read_events(url: str, request_id: str, names: Names = NAMES) -> list[dict[str, Any]]:

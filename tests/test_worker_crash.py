@@ -11,9 +11,11 @@ import redis
 from redis_worker_helpers import (
     check_complete,
     long_context_checkpoint,
+    offline_completions,
     offline_tokens,
     read_events,
     running_worker,
+    text_of,
     tokens_of,
     wait_for,
     worker_process,
@@ -76,8 +78,8 @@ async def test_sigkill_one_of_two_workers(llama_ckpt, redis_url, tmp_path):
              for name in ("w-a", "w-b")}
     try:
         # The uninterrupted run to compare with, computed while the workers start.
-        expected = offline_tokens(llama_ckpt, texts, SamplingParams(**LONG))
-        expected_seeded = offline_tokens(llama_ckpt, texts[:1], SamplingParams(**SEEDED))[0]
+        expected = offline_completions(llama_ckpt, texts, SamplingParams(**LONG))
+        expected_seeded = offline_completions(llama_ckpt, texts[:1], SamplingParams(**SEEDED))[0]
         await wait_for(lambda: len(r.keys(NAMES.worker("*"))) == 2, timeout=60, interval=0.1)
         async with AsyncClient(redis_url) as client:
             ids = [await client.submit(t, params=LONG) for t in texts]
@@ -103,11 +105,12 @@ async def test_sigkill_one_of_two_workers(llama_ckpt, redis_url, tmp_path):
                 p.kill()
                 p.wait()
     assert partial, "a job was killed mid-generation"
-    for rid, exp in zip(ids, [*expected, expected_seeded], strict=True):
+    for rid, (exp_tokens, exp_text) in zip(ids, [*expected, expected_seeded], strict=True):
         events = read_events(redis_url, rid)  # contiguous seq, checked against the stream ids
         assert results[rid] == events
         assert check_complete(events)["finish_reason"] == "length", rid
-        assert tokens_of(events) == exp, rid
+        assert tokens_of(events) == exp_tokens, rid
+        assert text_of(events) == exp_text, rid
     assert r.xlen(NAMES.requests) == 0 and not r.xpending(NAMES.requests, NAMES.group)["pending"]
     survivor_log = (tmp_path / f"{survivor}.log").read_text()
     assert "reclaimed job entry" in survivor_log

@@ -15,6 +15,7 @@ from redis_worker_helpers import (
     ROOT,
     check_complete,
     long_context_checkpoint,
+    offline_completions,
     offline_tokens,
     read_events,
     running_worker,
@@ -38,7 +39,7 @@ GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 @pytest.mark.anyio
 async def test_20_concurrent_jobs_match_offline_engine(llama_ckpt, redis_url):
     prompts = [f"Request number {i}: the quick brown fox" + " jumps" * (i % 5) for i in range(20)]
-    expected = offline_tokens(llama_ckpt, prompts, SamplingParams(**GREEDY))
+    expected = offline_completions(llama_ckpt, prompts, SamplingParams(**GREEDY))
     results = {}
     async with running_worker(llama_ckpt, redis_url) as worker, \
             AsyncClient(redis_url) as json_client, AsyncClient(redis_url, encoding="msgpack") as mp_client:
@@ -52,13 +53,13 @@ async def test_20_concurrent_jobs_match_offline_engine(llama_ckpt, redis_url):
                 for i in range(20):
                     tg.start_soon(one, i)
         round_trips = worker.writer.round_trips
-    for i in range(20):
-        assert results[i].token_ids[0] == expected[i], f"prompt {i}"
+    for i, (exp_tokens, exp_text) in enumerate(expected):
+        assert results[i].token_ids[0] == exp_tokens and results[i].text == exp_text, f"prompt {i}"
         assert results[i].finish_reason == "length"
         assert results[i].usage["completion_tokens"] == 8
         events = read_events(redis_url, results[i].id)
         check_complete(events)
-        assert tokens_of(events) == expected[i]
+        assert tokens_of(events) == exp_tokens
     # Writes of one step are pipelined: far fewer round trips than the 180 events written.
     assert round_trips < 120, round_trips
 
