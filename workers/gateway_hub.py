@@ -86,7 +86,10 @@ class Hub:
     def __init__(self, redis_url: str, names: Names, metrics: Metrics, *, ttl_s: float = 3600.0,
                  idle_poll_s: float = 5.0) -> None:
         self.names, self.metrics, self.ttl_ms, self.idle_poll_s = names, metrics, int(ttl_s * 1000), idle_poll_s
-        self.redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=30)
+        # The health check PINGs an idle connection (pub/sub included) now and then, so a connection
+        # that died silently is noticed and replaced instead of waiting forever.
+        self.redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=30,
+                                             health_check_interval=15)
         self.pubsub = self.redis.pubsub()
         self.watches: dict[str, set[Watch]] = {}  # channel -> readers (the subscriptions we want)
         self._subscribed: dict[str, asyncio.Event] = {}  # channel -> set when Redis confirmed it
@@ -278,6 +281,8 @@ class Hub:
                 self._dispatch(msg)
 
     def _dispatch(self, msg: dict[str, Any]) -> None:
+        if msg.get("channel") is None:  # a health-check pong
+            return
         channel = msg["channel"].decode() if isinstance(msg["channel"], bytes) else msg["channel"]
         if msg["type"] == "subscribe":
             confirmed = self._subscribed.get(channel)
