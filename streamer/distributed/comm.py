@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,12 @@ def connect(store: dist.Store, rank: int, size: int, device: torch.device) -> tu
     else:
         model = _gloo(model_store, rank, size, model_timeout())
     return StepChannel(control), TPGroup(rank, size, model)
+
+
+def abort_group(pg: Any) -> None:
+    """Make pending operations on `pg` fail now (NCCL waits on a dead peer until its timeout,
+    where gloo fails as soon as the peer's sockets close)."""
+    pg.abort()
 
 
 def shutdown_group(pg: object) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from streamer.config import EngineConfig
-from streamer.distributed.comm import SETUP_TIMEOUT, connect, shutdown_group
+from streamer.distributed.comm import SETUP_TIMEOUT, abort_group, connect, shutdown_group
 from streamer.distributed.errors import TensorParallelError
 from streamer.distributed.rank_procs import RankProcesses
 from streamer.distributed.worker import ready_key
@@ -112,7 +113,8 @@ class TPExecutor:
             torch.set_num_threads(threads)
             self._wait_for_ranks(store)
             self.channel, self.group = connect(store, 0, size, self.device)
-            self.procs.on_failure = self._abort_device_group
+            if self.device.type == "cuda":  # (no reference to self: the watchdog outlives it)
+                self.procs.on_failure = functools.partial(abort_group, self.group.pg)
             self.runner = ModelRunner(config, model_config, self.device, sampler, self.group)
         except BaseException as exc:
             failure = self.procs.wait_for_failure(1.0)
@@ -155,23 +157,22 @@ class TPExecutor:
             payload = payload_tensor(step.payload)
             self.channel.send(step.header, payload)
             logits = self.runner.run(unflatten_step(step.header, payload.to(self.device, non_blocking=True)))
-        except Exception as exc:
-            raise self._fail(exc) from exc
+        except BaseException as exc:
+            # The ranks may be inside this step's collectives: never run another step with them.
+            error = self._fail(exc, wait_s=5.0 if isinstance(exc, Exception) else 0.0)
+            if not isinstance(exc, Exception):  # KeyboardInterrupt and the like go on as they are
+                raise
+            raise error from exc
         # Sampling is rank 0's alone: an error there leaves the ranks in step, so it is not fatal.
         return self.runner.sample(step, logits)
 
-    def _fail(self, exc: BaseException | None) -> TensorParallelError:
-        """A collective failed: find out which rank went, stop them all, stay dead."""
-        failure = self.procs.wait_for_failure(5.0)
+    def _fail(self, exc: BaseException | None, wait_s: float = 5.0) -> TensorParallelError:
+        """A step failed: find out which rank went (the watchdog may need a moment to see its
+        exit), stop them all, stay dead."""
+        failure = self.procs.wait_for_failure(wait_s)
         self._dead = failure or f"tensor-parallel step failed on rank 0: {exc!r}"
         self._stop_all()
         return TensorParallelError(self._dead)
-
-    def _abort_device_group(self) -> None:
-        """NCCL keeps waiting on a dead peer (gloo fails as soon as its sockets close): abort the
-        communicators so that rank 0's pending GPU work errors out instead of hanging."""
-        if self.device.type == "cuda":
-            self.group.pg.abort()
 
     def shutdown(self) -> None:
         """Tell every rank to stop and join it; idempotent, and safe after a failure."""
@@ -189,6 +190,7 @@ class TPExecutor:
         self.procs.begin_close()
         self.procs.kill_all()
         self._finalizer.detach()
+        self._store = None
         for attr in ("channel", "group"):
             obj: Any = getattr(self, attr, None)
             if obj is not None:
