@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -158,6 +159,8 @@ def test_engine_process_killed_takes_its_ranks_along(llama_ckpt, tmp_path):
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                             cwd=Path(__file__).resolve().parents[1])
     try:
+        started, _, _ = select.select([proc.stdout], [], [], 120)
+        assert started, "the engine process did not start its ranks within 120 s"
         pids = json.loads(proc.stdout.readline())
     finally:
         proc.kill()
