@@ -251,7 +251,9 @@ async def test_reads_only_what_the_engine_can_admit(llama_ckpt, redis_url):
             for rid in ids:
                 assert [e async for e in client.stream(rid, timeout=30)][-1]["type"] == "done"
             tg.cancel_scope.cancel()
-    assert max(pending for pending, _ in held) <= 4, held
+    # 2 running + 2 finished awaiting their ack (+2 when the engine's published capacity lags one
+    # step behind the outputs it delivers): never the whole backlog.
+    assert max(pending for pending, _ in held) <= 6, held
     assert max(lag for _, lag in held) >= 5, held
     assert r.xlen(names.requests) == 0
     r.close()
