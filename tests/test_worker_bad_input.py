@@ -98,3 +98,18 @@ async def test_poison_job_dead_lettered_after_too_many_deliveries(llama_ckpt, re
     assert [(e["type"], e["code"]) for e in events] == [("error", "too_many_deliveries")]
     assert [d["reason"] for d in dead_letters(redis_url)] == [b"too_many_deliveries"]
     r.close()
+
+
+@pytest.mark.anyio
+async def test_foreign_entries_in_an_event_stream(llama_ckpt, redis_url):
+    """Someone wrote into llm:events:{id} by hand: the job is dead-lettered, the worker goes on."""
+    r = redis.Redis.from_url(redis_url)
+    r.xadd(Names().events("squatted"), {"json": b"not an event"}, id="0-7")
+    async with running_worker(llama_ckpt, redis_url), AsyncClient(redis_url) as client:
+        await client.submit("hi", id="squatted", params=GOOD)
+        ok = await client.generate("still serving", params=GOOD, timeout=30)
+        await wait_for(lambda: dead_letters(redis_url), timeout=10)
+    assert len(ok.token_ids[0]) == 6
+    assert [d["reason"] for d in dead_letters(redis_url)] == [b"damaged_events"]
+    assert r.xlen(Names().events("squatted")) == 1  # left as it was
+    r.close()

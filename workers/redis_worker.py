@@ -292,7 +292,11 @@ class Worker:
             replies = await self._retry("load jobs", self._load_pipeline, with_ids)
             for i, d in enumerate(with_ids):
                 _, owner, events, cancelled = replies[4 * i: 4 * i + 4]
-                d.ours, d.state, d.cancelled = _s(owner) == d.entry_id, resume_state(events), bool(cancelled)
+                d.ours, d.cancelled = _s(owner) == d.entry_id, bool(cancelled)
+                try:
+                    d.state = resume_state(events)
+                except (ValueError, KeyError, TypeError) as e:  # someone else wrote there: stay out of it
+                    d.job, d.error = None, ProtocolError("damaged_events", f"events of {d.request_id!r}: {e}")
         for d in batch:
             self._starting += 1
             self._jobs_idle = anyio.Event() if self._jobs_idle.is_set() else self._jobs_idle
