@@ -105,11 +105,13 @@ async def test_foreign_entries_in_an_event_stream(llama_ckpt, redis_url):
     """Someone wrote into llm:events:{id} by hand: the job is dead-lettered, the worker goes on."""
     r = redis.Redis.from_url(redis_url)
     r.xadd(Names().events("squatted"), {"json": b"not an event"}, id="0-7")
+    r.set(Names().events("wrong-type"), "a string where a stream belongs")
     async with running_worker(llama_ckpt, redis_url), AsyncClient(redis_url) as client:
         await client.submit("hi", id="squatted", params=GOOD)
+        await client.submit("hi", id="wrong-type", params=GOOD)
         ok = await client.generate("still serving", params=GOOD, timeout=30)
-        await wait_for(lambda: dead_letters(redis_url), timeout=10)
+        await wait_for(lambda: len(dead_letters(redis_url)) == 2, timeout=10)
     assert len(ok.token_ids[0]) == 6
-    assert [d["reason"] for d in dead_letters(redis_url)] == [b"damaged_events"]
+    assert [d["reason"] for d in dead_letters(redis_url)] == [b"damaged_events"] * 2
     assert r.xlen(Names().events("squatted")) == 1  # left as it was
     r.close()

@@ -292,11 +292,14 @@ class Worker:
             replies = await self._retry("load jobs", self._load_pipeline, with_ids)
             for i, d in enumerate(with_ids):
                 _, owner, events, cancelled = replies[4 * i: 4 * i + 4]
-                d.ours, d.cancelled = _s(owner) == d.entry_id, bool(cancelled)
                 try:
+                    for reply in (owner, events, cancelled):
+                        if isinstance(reply, Exception):  # e.g. WRONGTYPE: a key of ours holds something else
+                            raise ValueError(str(reply))
+                    d.ours, d.cancelled = _s(owner) == d.entry_id, bool(cancelled)
                     d.state = resume_state(events)
                 except (ValueError, KeyError, TypeError) as e:  # someone else wrote there: stay out of it
-                    d.job, d.error = None, ProtocolError("damaged_events", f"events of {d.request_id!r}: {e}")
+                    d.job, d.error = None, ProtocolError("damaged_events", f"keys of {d.request_id!r}: {e}")
         for d in batch:
             self._starting += 1
             self._jobs_idle = anyio.Event() if self._jobs_idle.is_set() else self._jobs_idle
@@ -312,7 +315,7 @@ class Worker:
                 pipe.get(self.names.job(request_id))
                 pipe.xrange(self.names.events(request_id))
                 pipe.exists(self.names.cancelled(request_id))
-            return await pipe.execute()
+            return await pipe.execute(raise_on_error=False)
 
     # ---- one job ---------------------------------------------------------------------------------
 
