@@ -219,10 +219,7 @@ class Worker:
                 entries = await self._read(count, self.cfg.block_ms)
                 backoff.reset()
             except ResponseError as e:
-                if "NOGROUP" not in str(e):
-                    raise
-                log.warning("consumer group missing (Redis lost its data?): creating it again")
-                await self._ensure_group()
+                await self._refused("read", e, backoff)
                 continue
             except TRANSIENT as e:
                 await backoff.sleep(e)
@@ -258,11 +255,19 @@ class Worker:
                         break
                 backoff.reset()
             except ResponseError as e:
-                if "NOGROUP" not in str(e):
-                    raise
-                await self._ensure_group()
+                await self._refused("reclaim", e, backoff)
             except TRANSIENT as e:
                 await backoff.sleep(e)
+
+    async def _refused(self, what: str, error: ResponseError, backoff: Backoff) -> None:
+        """Redis answered with an error: a lost group is recreated; anything else (out of memory, a
+        key of the wrong type) is logged and retried with backoff, the worker stays up."""
+        if "NOGROUP" in str(error):
+            log.warning("consumer group missing (Redis lost its data?): creating it again")
+            await self._ensure_group()
+        else:
+            log.error("%s: Redis refused: %s", what, error)
+            await backoff.sleep(error)
 
     async def _start_reclaimed(self, entries: list[tuple[Any, Any]]) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
