@@ -11,6 +11,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -145,6 +146,29 @@ async def test_killed_rank_ends_the_engine_with_an_error_and_no_process_left(lla
         with pytest.raises(EngineDeadError):  # stays dead
             async for _ in engine.generate([1, 2], params, "after"):
                 pass
+    assert child_processes() == []
+
+
+def test_the_rank_that_died_is_blamed_not_its_peers(llama_ckpt):
+    """At TP=4 a dead rank's peers fail too ("connection reset by peer"): the error names the
+    rank that died."""
+    llm = LLM(str(llama_ckpt), tensor_parallel_size=4, num_kv_blocks=64)
+    engine = llm.engine
+    try:
+        pids = engine.runner.pids
+        for i in range(4):
+            engine.add_request(f"r{i}", [10, 20, 30 + i] * 5,
+                               SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        threading.Timer(0.2, os.kill, (pids[1], signal.SIGKILL)).start()  # while steps run
+        deadline = time.monotonic() + 30
+        with pytest.raises(TensorParallelError) as failed:
+            while engine.has_unfinished_requests() and time.monotonic() < deadline:
+                engine.step()
+        assert str(failed.value).startswith(f"tensor-parallel rank 2 (pid {pids[1]}) was killed by SIGKILL")
+    finally:
+        llm.shutdown()
     assert child_processes() == []
 
 

@@ -17,9 +17,17 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 _MAX_ERROR_CHARS = 6000
+_ECHO_GRACE_S = 0.3
+_ECHOES = (b"Connection closed by peer", b"Connection reset by peer", b"Broken pipe")
+
+
+def _is_echo(error: bytes) -> bool:
+    """A rank that failed only because a peer went away."""
+    return any(e in error for e in _ECHOES)
 
 
 class RankProcesses:
@@ -82,12 +90,36 @@ class RankProcesses:
         with self._lock:
             if self._closing or self.failure is not None:
                 return
-            self.failure = self.describe(rank)
+        # When one rank dies its peers fail too ("connection closed by peer"), in any order:
+        # give them a moment, then blame the rank whose failure is not such an echo.
+        time.sleep(_ECHO_GRACE_S)
+        exited = [r for r, p in self.procs.items() if r == rank or p.poll() is not None]
+        for r in exited:
+            self._drain(r)
+        cause = next((r for r in exited if not _is_echo(self._errors[r])), rank)
+        text = self.describe(cause)
+        others = [r for r in exited if r != cause]
+        if others:
+            text += "\n(then also: " + "; ".join(self.describe(r).split(":\n")[0] for r in others) + ")"
+        with self._lock:
+            if self._closing or self.failure is not None:
+                return
+            self.failure = text
         self.kill_all()
         self.failed.set()
         if self.on_failure is not None:
             with contextlib.suppress(Exception):
                 self.on_failure()
+
+    def _drain(self, rank: int) -> None:
+        """Read what an exited rank left in its pipe (its writer is closed: this cannot block)."""
+        fd = next((fd for fd, r in self._pipes.items() if r == rank), None)
+        if fd is None:
+            return
+        with contextlib.suppress(OSError):  # BlockingIOError: a grandchild holds the pipe open
+            os.set_blocking(fd, False)
+            while data := os.read(fd, 65536):
+                self._errors[rank] += data
 
     def describe(self, rank: int) -> str:
         proc = self.procs[rank]
