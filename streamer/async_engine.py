@@ -76,6 +76,9 @@ class AsyncEngine:
         self._send(("add", request_id, prompt, params, priority, resume_token_ids, stream, accepted))
         try:
             await accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)  # queued after the add: the engine drops it if it was taken
+            raise
         finally:
             self._pending_adds -= 1
         finished = False
@@ -121,9 +124,9 @@ class AsyncEngine:
                 self._drain_commands()
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
+                    self._publish_stats()  # before delivery: callers then see capacity they can use
                     if outputs:
                         self._deliver(outputs)
-                    self._publish_stats()
                 else:
                     self._publish_stats()
                     self._wakeup.wait(0.05)
