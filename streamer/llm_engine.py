@@ -248,6 +248,7 @@ class LLMEngine:
             "device": str(self.device),
             "dtype": str(self.model_config.dtype).replace("torch.", ""),
             "attention_backend": self.runner.backend.name,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
             **self.counters,
         }
 
