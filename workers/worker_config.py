@@ -1,0 +1,30 @@
+"""Settings of one Redis worker process (`streamer worker` flags map onto these)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+
+from workers.protocol import Limits, Names
+
+
+@dataclass
+class WorkerConfig:
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    names: Names = field(default_factory=Names)
+    limits: Limits = field(default_factory=Limits)
+    consumer: str = ""  # unique per process; default host-pid-random
+    events_ttl_s: float = 3600.0
+    claim_idle_s: float = 30.0  # an entry idle this long belongs to a dead worker and is reclaimed
+    heartbeat_s: float = 0.0  # 0: claim_idle_s / 4, at most 5 s
+    max_deliveries: int = 5  # a job delivered more often than this (it keeps killing workers) is dead
+    grace_s: float = 30.0  # SIGTERM: time to finish in-flight jobs before leaving them to others
+    block_ms: int = 1000
+    read_linger_ms: float = 3.0  # after a partial read, wait this long for more of a burst
+    model_name: str = ""
+
+    def __post_init__(self) -> None:
+        self.consumer = self.consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.heartbeat_s = self.heartbeat_s or min(5.0, self.claim_idle_s / 4)

@@ -1,0 +1,189 @@
+"""One job on the Redis worker: checks, admission into the engine, and engine outputs relayed as events.
+
+Each job runs in its own task (started by workers/worker_intake.py) that owns its engine stream; the
+task is cancelled, not answered, when this worker loses the job (shutdown, taken over), so another
+worker resumes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import anyio
+
+from streamer import SamplingParams
+from streamer.async_engine import EngineDeadError
+from streamer.errors import QueueFullError
+from workers.protocol import ProtocolError, done_event, token_event
+from workers.resume import ResumeState
+from workers.worker_answers import Answers
+from workers.worker_state import Delivery, RunningJob
+
+log = logging.getLogger("streamer.worker")
+
+
+class JobRunner(Answers):
+    """The task of one job, from its checks to its last event (answered through `Answers`)."""
+
+    async def _job_task(self, d: Delivery) -> None:
+        admitted = [False]
+        try:
+            if d.error is not None:
+                await self._reject(d, d.error)
+            else:
+                await self._serve(d, admitted)
+        except anyio.get_cancelled_exc_class():
+            raise  # shutdown or lost ownership: no answer, another worker resumes it
+        except EngineDeadError as e:  # not the job's fault: leave it unacked for a healthy worker
+            log.error("request %s: engine is dead (%s); stopping this worker", d.request_id, e)
+            self.engine_error = e
+            self.request_stop()
+        except Exception as e:
+            log.exception("request %s (entry %s) failed", d.request_id, d.entry_id)
+            try:
+                await self._finish_with_error(d, "internal", f"worker error: {e}")
+            except Exception:  # never let one job's failure take the others down
+                log.exception("request %s (entry %s): could not report the failure", d.request_id,
+                              d.entry_id)
+        finally:
+            if not admitted[0]:
+                self._admitted()
+            run = self._running.get(d.request_id or "")
+            if run is not None and run.entry_id == d.entry_id:
+                del self._running[run.job.id]
+            if not self._running and not self._starting:
+                self._jobs_idle.set()
+
+    async def _serve(self, d: Delivery, admitted: list[bool]) -> None:
+        job, entry_id, state = d.job, d.entry_id, d.state
+        assert job is not None
+        if not d.ours:
+            await self._dead_letter(entry_id, d.fields, ProtocolError(
+                "duplicate_id", f"id {job.id!r} is already used by another request", job.id))
+            await self._ack(entry_id)
+            return
+        if state.finished:  # answered before, only the ack was lost
+            await self._ack(entry_id)
+            return
+        run = RunningJob(job, entry_id, state.next_seq, d.fields)
+        deliveries = d.deliveries
+        if deliveries > self.cfg.max_deliveries:
+            await self._fail(run, "too_many_deliveries",
+                             f"job was delivered {deliveries} times without finishing")
+            return
+        try:
+            params = SamplingParams.from_dict(job.params)
+        except (TypeError, ValueError) as e:
+            await self._fail(run, "invalid_params", str(e))
+            return
+        resume = state.resume_token_ids(params.n)
+        if job.deadline is not None and resume is None and time.time() * 1000 > job.deadline:
+            self._emit(run, [], error=ProtocolError("expired", "the deadline passed before the job started"))
+            return
+        if d.cancelled or self._cancelled.pop(job.id, None) is not None:
+            self._emit(run, [done_event(job.id, run.next_seq, ["abort"] * params.n, _usage(0, 0, 0))])
+            return
+        self._running[job.id] = run
+        with run.scope:
+            await self._generate(run, params, state, resume, admitted)
+
+    async def _generate(self, run: RunningJob, params: Any, state: ResumeState,
+                        resume: list[list[int]] | None, admitted: list[bool]) -> None:
+        prompt = await self._prompt(run)
+        if prompt is None:
+            return
+        try:
+            started = await self._admit(run, prompt, params, resume)
+        finally:
+            admitted[0] = True
+            self._admitted()
+        if started is not None:
+            stream, first = started
+            try:
+                await self._relay(run, params, state, stream, first)
+            finally:
+                await stream.aclose()  # aborts the request in the engine unless it finished
+
+    async def _prompt(self, run: RunningJob) -> Any:
+        """The job's prompt as the engine takes it; None when the job was answered with an error."""
+        job = run.job
+        if job.prompt_token_ids is not None:
+            return {"prompt_token_ids": job.prompt_token_ids}
+        if job.messages is None:
+            return job.prompt
+        try:
+            return {"prompt_token_ids": self.engine.render_chat(job.messages)}
+        except ValueError as e:  # e.g. the checkpoint has no chat template
+            await self._fail(run, "invalid_request", str(e))
+            return None
+
+    async def _admit(self, run: RunningJob, prompt: Any, params: Any,
+                     resume: list[list[int]] | None) -> tuple[Any, Any] | None:
+        """Hand the job to the engine: (output stream, first output), or None when it was answered
+        instead (rejected by the engine, or its deadline passed before it started)."""
+        job = run.job
+        deadline = job.deadline if resume is None else None  # a resumed job has started already
+        backoff_s = 0.05
+        while True:
+            stream = self.engine.generate(prompt, params, job.id, priority=job.priority,
+                                          resume_token_ids=resume)
+            try:
+                first = await self._first_output(stream, deadline)
+            except QueueFullError:  # admission raced with other load: the job waits, still ours
+                await anyio.sleep(backoff_s)
+                backoff_s = min(1.0, backoff_s * 2)
+                continue
+            except ValueError as e:  # prompt too long for the model and the like
+                await self._fail(run, "invalid_request", str(e))
+                return None
+            except BaseException:
+                # Interrupted while the engine was taking it: make sure it does not run unwatched.
+                self.engine.abort(job.id)
+                raise
+            if first is None:
+                self.engine.abort(job.id)
+                self._emit(run, [], error=ProtocolError("expired", "the deadline passed before the job started"))
+                return None
+            return stream, first
+
+    async def _first_output(self, stream: Any, deadline_ms: int | None) -> Any:
+        """The stream's first output; None when `deadline_ms` passes first."""
+        if deadline_ms is None:
+            return await anext(stream)
+        with anyio.move_on_after(max(0.0, deadline_ms / 1000 - time.time())):
+            return await anext(stream)
+        return None
+
+    async def _relay(self, run: RunningJob, params: Any, state: ResumeState, stream: Any, out: Any) -> None:
+        """Engine outputs -> events, one event per sample per step, until the request finishes."""
+        job = run.job
+        emitted = {k: len(v) for k, v in state.token_ids.items()}  # counts include a resumed run's
+        reasons: dict[int, str] = {}
+        while True:
+            events = []
+            for c in out.outputs:
+                if c.token_ids:
+                    events.append(token_event(job.id, run.next_seq + len(events), c.index,
+                                              list(c.token_ids), c.text, c.logprobs))
+                    emitted[c.index] = emitted.get(c.index, 0) + len(c.token_ids)
+                if c.finish_reason is not None:
+                    reasons[c.index] = c.finish_reason
+            if out.finished:
+                usage = _usage(len(out.prompt_token_ids), sum(emitted.values()), out.num_cached_tokens)
+                # Samples are n, or beam_width beams (which arrive whole, in the last output).
+                count = max(params.n, 1 + max([*reasons, *emitted], default=0))
+                events.append(done_event(job.id, run.next_seq + len(events),
+                                         [reasons.get(k, "abort") for k in range(count)], usage))
+                self._emit(run, events)
+                return
+            if events:
+                self._emit(run, events, final=False)
+            out = await anext(stream, None)
+            if out is None:
+                raise RuntimeError("engine stream ended without a finished output")
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached}
