@@ -12,6 +12,7 @@ from streamer.attention import get_backend
 from streamer.attention.backend import AttentionMetadata
 from streamer.config import EngineConfig
 from streamer.distributed.parallel_state import SINGLE, TPGroup, building_with
+from streamer.layers.cpu_gemm import pack_model
 from streamer.model_config import ModelConfig
 from streamer.model_loader import load_weights
 from streamer.models.llama import LlamaForCausalLM
@@ -149,6 +150,8 @@ class ModelRunner:
             torch.set_default_dtype(torch.float32)
         load_weights(self.model, model_config.path)
         self.model.eval()
+        if device.type == "cpu":
+            pack_model(self.model, batch_hint=min(config.max_num_seqs, 64))
         # Every rank must hold the same number of blocks: the scheduler in rank 0 hands out ids.
         self.num_kv_blocks = tp_group.all_reduce_min(config.num_kv_blocks or self._blocks_that_fit(), device)
         self._allocate_kv_cache()

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from streamer.distributed.parallel_state import get_tp_group
+from streamer.layers.cpu_gemm import linear
 from streamer.layers.linear import narrow
 
 
@@ -38,7 +39,12 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, hidden_size)
+        self.packed: torch.Tensor | None = None  # CPU: oneDNN's copy of the weight (cpu_gemm.pack_model)
+        self.weight_shared = False  # set when tied to the embedding, whose dense weight must stay
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """Logits `[N, vocab]`, gathered from all ranks."""
-        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.tp.all_gather_last_dim(linear(hidden, self.weight, None, self.packed))
         return logits[:, : self.vocab_size]

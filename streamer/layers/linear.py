@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from streamer.distributed.parallel_state import divide, get_tp_group, get_tp_size
+from streamer.layers.cpu_gemm import linear
 
 
 def narrow(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
@@ -40,13 +40,14 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _param(self.output_size_per_rank) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
+        self.packed: torch.Tensor | None = None  # CPU: oneDNN's copy of the weight (cpu_gemm.pack_model)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         size = param.shape[0]
         param.data.copy_(narrow(loaded, 0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -102,6 +103,7 @@ class RowParallelLinear(nn.Module):
         self.weight = _param(output_size, self.input_size_per_rank)
         self.weight.weight_loader = self.weight_loader
         self.bias = _param(output_size) if bias else None
+        self.packed: torch.Tensor | None = None  # CPU: oneDNN's copy of the weight (cpu_gemm.pack_model)
         if self.bias is not None:
             self.bias.weight_loader = self.bias_loader
 
@@ -113,5 +115,5 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(full(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed))
         return y if self.bias is None else y + self.bias

@@ -105,6 +105,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+            self.lm_head.weight_shared = True
         self.tied = bool(cfg.tie_word_embeddings)
         self.register_buffer("cos_sin_cache", build_cos_sin_cache(cfg, max_positions, device), persistent=False)
         self.tp_size = get_tp_size()
