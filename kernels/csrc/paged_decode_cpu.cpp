@@ -4,7 +4,8 @@
 //
 // One task per sequence handles all its heads: within a block, the rows of consecutive positions
 // (all KV heads) are contiguous, so each block is read front to back in one stream (48 KiB for
-// 16 positions x 12 heads x 64 floats) rather than as scattered per-head pieces.
+// 16 positions x 12 heads x 64 floats) rather than as scattered per-head pieces. Softmax is
+// computed online, block by block (flash-decoding style), so K and V are each read exactly once.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -12,9 +13,27 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
+
+// A row of one position (all KV heads) as floats: float32 caches are used in place.
+template <typename scalar_t>
+inline const float* as_float(const scalar_t* src, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return src;
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+    return buf;
+  }
+}
+
+inline void prefetch_block(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 256) __builtin_prefetch(c + off, 0, 1);
+}
 
 template <typename scalar_t>
 void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* block_tables,
@@ -22,61 +41,78 @@ void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
             int64_t head_size, int64_t block_size, int64_t max_blocks, float scale) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t D = head_size;
-  const int64_t row_size = num_kv_heads * D;  // one position, all KV heads
+  const int64_t row_size = num_kv_heads * D;  // one position, all KV heads: contiguous
+  const int64_t block_elems = block_size * row_size;
   // Dynamic scheduling: sequences differ in length, so equal halves would leave a core idle.
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<float> qf(num_heads * D), acc(num_heads * D), row(row_size), scores, denom(num_heads);
+    std::vector<float> qf(num_heads * D), acc(num_heads * D), row(row_size), s(num_heads * block_size);
+    std::vector<float> m(num_heads), l(num_heads);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < num_seqs; ++b) {
       const int64_t len = seq_lens[b];
       const int32_t* table = block_tables + b * max_blocks;
-      scores.assign(num_heads * len, 0.f);
       for (int64_t i = 0; i < num_heads * D; ++i) qf[i] = static_cast<float>(q[b * num_heads * D + i]) * scale;
-      // Pass 1: scores[h][p] = q_h . k_{kv(h)}(p)
-      for (int64_t p = 0; p < len; ++p) {
-        const int64_t slot = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
-        const scalar_t* k = k_cache + slot * row_size;
-#pragma omp simd
-        for (int64_t i = 0; i < row_size; ++i) row[i] = static_cast<float>(k[i]);
-        for (int64_t h = 0; h < num_heads; ++h) {
-          const float* kr = row.data() + (h / group) * D;
-          const float* qh = qf.data() + h * D;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qh[d] * kr[d];
-          scores[h * len + p] = s;
-        }
-      }
-      for (int64_t h = 0; h < num_heads; ++h) {
-        float* s = scores.data() + h * len;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t p = 0; p < len; ++p) m = std::max(m, s[p]);
-        float sum = 0.f;
-        for (int64_t p = 0; p < len; ++p) {
-          s[p] = std::exp(s[p] - m);
-          sum += s[p];
-        }
-        denom[h] = sum;
-      }
-      // Pass 2: acc[h] = sum_p w[h][p] * v_{kv(h)}(p)
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = 0; p < len; ++p) {
-        const int64_t slot = static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
-        const scalar_t* v = v_cache + slot * row_size;
-#pragma omp simd
-        for (int64_t i = 0; i < row_size; ++i) row[i] = static_cast<float>(v[i]);
+      // Finite "minus infinity": the kernel is built with -ffast-math, which assumes no infinities.
+      std::fill(m.begin(), m.end(), -1e30f);
+      std::fill(l.begin(), l.end(), 0.f);
+      const int64_t num_blocks = (len + block_size - 1) / block_size;
+      // Block by block with an online softmax: each block's K then V (contiguous, L2-resident)
+      // are read once, in order, while the next block is prefetched.
+      for (int64_t blk = 0; blk < num_blocks; ++blk) {
+        const int64_t n = std::min(block_size, len - blk * block_size);
+        const scalar_t* kb = k_cache + static_cast<int64_t>(table[blk]) * block_elems;
+        const scalar_t* vb = v_cache + static_cast<int64_t>(table[blk]) * block_elems;
+        if (blk + 1 < num_blocks) {
+          const int64_t next = static_cast<int64_t>(table[blk + 1]) * block_elems;
+          prefetch_block(k_cache + next, block_elems * sizeof(scalar_t));
+          prefetch_block(v_cache + next, block_elems * sizeof(scalar_t));
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          const float* k = as_float(kb + j * row_size, row.data(), row_size);
+          for (int64_t h = 0; h < num_heads; ++h) {
+            const float* kh = k + (h / group) * D;
+            const float* qh = qf.data() + h * D;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += qh[d] * kh[d];
+            s[h * block_size + j] = dot;
+          }
+        }
         for (int64_t h = 0; h < num_heads; ++h) {
-          const float w = scores[h * len + p];
-          const float* vr = row.data() + (h / group) * D;
-          float* a = acc.data() + h * D;
+          float* sh = s.data() + h * block_size;
+          float block_max = sh[0];
+          for (int64_t j = 1; j < n; ++j) block_max = std::max(block_max, sh[j]);
+          const float new_max = std::max(m[h], block_max);
+          const float rescale = std::exp(m[h] - new_max);  // underflows to 0 on the first block
+          if (rescale != 1.f) {
+            float* a = acc.data() + h * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += w * vr[d];
+            for (int64_t d = 0; d < D; ++d) a[d] *= rescale;
+          }
+          float sum = 0.f;
+          for (int64_t j = 0; j < n; ++j) {
+            sh[j] = std::exp(sh[j] - new_max);
+            sum += sh[j];
+          }
+          l[h] = l[h] * rescale + sum;
+          m[h] = new_max;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          const float* v = as_float(vb + j * row_size, row.data(), row_size);
+          for (int64_t h = 0; h < num_heads; ++h) {
+            const float w = s[h * block_size + j];
+            const float* vh = v + (h / group) * D;
+            float* a = acc.data() + h * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) a[d] += w * vh[d];
+          }
         }
       }
       for (int64_t h = 0; h < num_heads; ++h) {
         scalar_t* o = out + (b * num_heads + h) * D;
-        const float inv = 1.f / denom[h];
+        const float inv = 1.f / l[h];
         for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[h * D + d] * inv);
       }
     }
