@@ -209,7 +209,9 @@ def run(args: argparse.Namespace) -> int:
 
     port = args.port or free_port()
     check_port_free(args.host, port)
+    # The address a browser on this machine uses (an IPv6 literal goes in brackets in a URL).
     local_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    local_host = f"[{local_host}]" if ":" in local_host else local_host
     page_url = f"http://{local_host}:{port}/"
     phases = Phases()
     redis_server: RedisServer | None = None
