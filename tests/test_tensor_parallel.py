@@ -46,9 +46,17 @@ def qwen2_odd_vocab_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("qwen2_odd"), spec, seed=5)
 
 
+def _is_rank(pid: str) -> bool:
+    try:
+        return b"streamer.distributed.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def child_processes(parent: int | None = None) -> list[tuple[int, str]]:
-    """(pid, state) of the children of `parent` (default: this process) that are still running
-    (zombies excluded)."""
+    """(pid, state) of the tensor-parallel rank processes among the children of `parent`
+    (default: this process) that are still running (zombies excluded). Other children, such as
+    the session's redis-server, are not the engine's."""
     parent = os.getpid() if parent is None else parent
     found = []
     for entry in os.listdir("/proc"):
@@ -58,7 +66,7 @@ def child_processes(parent: int | None = None) -> list[tuple[int, str]]:
             stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(stat[1]) == parent and stat[0] != "Z":
+        if int(stat[1]) == parent and stat[0] != "Z" and _is_rank(entry):
             found.append((int(entry), stat[0]))
     return found
 
