@@ -11,6 +11,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -18,11 +19,19 @@
 
 namespace {
 
-// A row of one position (all KV heads) as floats: float32 caches are used in place.
+// A row of one position (all KV heads) as floats: float32 caches are used in place; bfloat16 is
+// the top half of a float32, so widening is a shift the compiler vectorizes (the generic
+// conversion does not).
 template <typename scalar_t>
 inline const float* as_float(const scalar_t* src, float* buf, int64_t n) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     return src;
+  } else if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
+    uint32_t* out = reinterpret_cast<uint32_t*>(buf);
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(raw[i]) << 16;
+    return buf;
   } else {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
