@@ -92,6 +92,7 @@ void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
         for (int64_t h = 0; h < num_heads; ++h) {
           float* sh = s.data() + h * block_size;
           float block_max = sh[0];
+#pragma omp simd reduction(max : block_max)
           for (int64_t j = 1; j < n; ++j) block_max = std::max(block_max, sh[j]);
           const float new_max = std::max(m[h], block_max);
           const float rescale = std::exp(m[h] - new_max);  // underflows to 0 on the first block
@@ -101,6 +102,7 @@ void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
             for (int64_t d = 0; d < D; ++d) a[d] *= rescale;
           }
           float sum = 0.f;
+#pragma omp simd reduction(+ : sum)  // vectorized expf (libmvec) under -ffast-math
           for (int64_t j = 0; j < n; ++j) {
             sh[j] = std::exp(sh[j] - new_max);
             sum += sh[j];
