@@ -24,8 +24,8 @@ import torch
 # Run as a script, Python puts bench/ first on sys.path, where bench/kernels.py would shadow the
 # `kernels` package: put the repository root there instead.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
-from bench.workload import Workload, bench_checkpoint, make_workload  # noqa: E402
-from streamer import LLMEngine, SamplingParams  # noqa: E402
+from bench.workload import Workload, bench_checkpoint, make_workload, submit_greedy, warm_up  # noqa: E402
+from streamer import LLMEngine  # noqa: E402
 from streamer.config import EngineConfig  # noqa: E402
 
 
@@ -36,13 +36,8 @@ def run(ckpt: Path, tp: int, work: Workload, args: argparse.Namespace) -> dict:
                                     num_kv_blocks=args.num_kv_blocks))
     startup = time.perf_counter() - start
     try:
-        # Warm-up (allocator, kernel compilation, first collectives), not timed.
-        engine.add_request("warm", {"prompt_token_ids": work.prompts[0][:16]}, SamplingParams(max_tokens=4))
-        while engine.has_unfinished_requests():
-            engine.step()
-        for i, (p, n) in enumerate(zip(work.prompts, work.output_lens)):
-            engine.add_request(str(i), {"prompt_token_ids": p},
-                               SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        warm_up(engine, work.prompts[0][:16])  # also the first collectives under tensor parallelism
+        submit_greedy(engine, work)
         tokens: dict[str, list[int]] = {str(i): [] for i in range(len(work.prompts))}
         steps = 0
         start = time.perf_counter()

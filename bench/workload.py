@@ -37,3 +37,21 @@ def bench_checkpoint(cache_dir: Path) -> Path:
     if not (path / "model.safetensors").exists():
         build_checkpoint(path, bench_spec(), seed=0)
     return path
+
+
+def warm_up(engine: object, prompt: list[int]) -> None:
+    """One short untimed request: allocator, first-call and kernel-build costs stay out of timings."""
+    from streamer import SamplingParams
+
+    engine.add_request("warm", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=4))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def submit_greedy(engine: object, work: Workload) -> None:
+    """Queue the whole workload at once: greedy, ignore_eos, each request its output length."""
+    from streamer import SamplingParams
+
+    for i, (p, n) in enumerate(zip(work.prompts, work.output_lens)):
+        engine.add_request(str(i), {"prompt_token_ids": p},
+                           SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))

@@ -15,6 +15,12 @@ from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
 from workers.redis_server import RedisServer
 
 
+@pytest.fixture
+def anyio_backend() -> str:
+    """Async tests (`@pytest.mark.anyio`) run on asyncio, like the worker and the gateway."""
+    return "asyncio"
+
+
 @pytest.fixture(scope="session")
 def llama_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny Llama with GQA (4 query heads, 2 KV heads)."""

@@ -9,11 +9,6 @@ import pytest
 from streamer import LLM, AsyncEngine, EngineConfig, QueueFullError, SamplingParams
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.mark.anyio
 async def test_concurrent_streams_match_offline(llama_ckpt):
     prompts = [f"request number {i}" for i in range(6)]

@@ -33,10 +33,6 @@ window.__paints = [];
 """
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 def chromium() -> str:
     path = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -32,10 +32,6 @@ from workers.redis_server import RedisServer
 NAMES = Names()
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 def config(redis_url: str, **overrides: Any) -> GatewayConfig:
     return replace(GatewayConfig(port=0, redis_url=redis_url, idle_poll_s=1.0), **overrides)

@@ -35,10 +35,6 @@ GREEDY = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 LONG = {"max_tokens": 900, "temperature": 0.0, "ignore_eos": True}  # seconds of work: time to cancel
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 def idle(worker: Any) -> bool:
     s = worker.engine.stats()

@@ -33,10 +33,6 @@ MAX_TOKENS = [20, 16, 24, 14, 18, 16, 12, 10]
 SHARED = 35  # later prompts start with the longest prompt's first 35 tokens
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
 
 @pytest.fixture(scope="module")
 def qwen2_odd_vocab_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -10,12 +10,6 @@ from redis_worker_helpers import check_complete, dead_letters, read_events, runn
 from clients.redis_client import AsyncClient
 from workers.protocol import Names
 
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 GOOD = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 
 

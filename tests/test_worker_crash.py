@@ -26,12 +26,6 @@ from streamer import SamplingParams
 from workers.protocol import Names, decode_job
 from workers.redis_server import RedisServer
 
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 LONG = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
 SEEDED = {"max_tokens": 400, "temperature": 0.9, "seed": 7, "ignore_eos": True}
 NAMES = Names()

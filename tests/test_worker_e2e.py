@@ -27,12 +27,6 @@ from clients.redis_client import AsyncClient, Client, RequestFailed
 from streamer import LLM, SamplingParams
 from workers.protocol import Names, decode_message
 
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 
 
