@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from streamer.errors import ConfigError
+
 
 @dataclass
 class EngineConfig:
@@ -22,7 +24,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the checkpoint's max_position_embeddings
     max_waiting_requests: int = 4096
     max_waiting_tokens: int | None = None  # None = no bound on queued prompt tokens
-    kv_cache_memory_gb: float | None = None  # CPU cache size when num_kv_blocks is None
+    kv_cache_memory_gb: float | None = None  # CPU cache size when num_kv_blocks is None (default: min(2 GiB, RAM/4))
     gpu_memory_utilization: float = 0.9
 
     @classmethod
@@ -49,4 +51,4 @@ class EngineConfig:
         ]
         for ok, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise ConfigError(message)

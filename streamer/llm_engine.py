@@ -11,6 +11,7 @@ from streamer.beam_engine import advance_beams, beam_output, new_beam_state
 from streamer.block_manager import BlockManager
 from streamer.config import EngineConfig
 from streamer.detokenizer import IncrementalDetokenizer
+from streamer.errors import ConfigError
 from streamer.executor import make_executor
 from streamer.model_config import ModelConfig
 from streamer.outputs import CompletionOutput, RequestOutput
@@ -26,7 +27,7 @@ def resolve_device(name: str | None) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but no CUDA device is available")
+        raise ConfigError("device 'cuda' requested but no CUDA device is available; use --device cpu")
     return device
 
 

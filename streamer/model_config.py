@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from streamer.errors import ConfigError
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -17,7 +19,7 @@ SUPPORTED_ARCHITECTURES = {
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(ConfigError):
     pass
 
 
@@ -51,7 +53,7 @@ class ModelConfig:
             limit = min(limit, int(window))  # beyond the window we'd diverge from the model
         if max_model_len is not None:
             if max_model_len > limit:
-                raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit {limit}")
+                raise ConfigError(f"max_model_len {max_model_len} exceeds the model's limit {limit}")
             limit = max_model_len
         heads = hf.num_attention_heads
         return cls(

@@ -170,7 +170,7 @@ class ModelRunner:
             budget = free - (1 - self.config.gpu_memory_utilization) * total - reserve
         else:
             budget = (self.config.kv_cache_memory_gb * _GIB if self.config.kv_cache_memory_gb
-                      else min(4 * _GIB, _available_memory() // 4))
+                      else min(2 * _GIB, _available_memory() // 4))
             budget /= self.tp.size  # CPU ranks share one machine's memory
         blocks = int(budget // self._bytes_per_block())
         if blocks < 1:
