@@ -57,6 +57,10 @@ void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
   {
     std::vector<float> qf(num_heads * D), acc(num_heads * D), row(row_size), s(num_heads * block_size);
     std::vector<float> m(num_heads), l(num_heads);
+    // Offset of each query head's KV head within a row, computed once: an integer division per
+    // head and position would cost more than the dot product itself.
+    std::vector<int64_t> kv_offset(num_heads);
+    for (int64_t h = 0; h < num_heads; ++h) kv_offset[h] = (h / group) * D;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < num_seqs; ++b) {
       const int64_t len = seq_lens[b];
@@ -81,7 +85,7 @@ void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
         for (int64_t j = 0; j < n; ++j) {
           const float* k = as_float(kb + j * row_size, row.data(), row_size);
           for (int64_t h = 0; h < num_heads; ++h) {
-            const float* kh = k + (h / group) * D;
+            const float* kh = k + kv_offset[h];
             const float* qh = qf.data() + h * D;
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
@@ -114,7 +118,7 @@ void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
           const float* v = as_float(vb + j * row_size, row.data(), row_size);
           for (int64_t h = 0; h < num_heads; ++h) {
             const float w = s[h * block_size + j];
-            const float* vh = v + (h / group) * D;
+            const float* vh = v + kv_offset[h];
             float* a = acc.data() + h * D;
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) a[d] += w * vh[d];
