@@ -169,9 +169,6 @@ class BlockManager:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
-    def slot(self, seq: Sequence, position: int) -> int:
-        return seq.block_ids[position // self.block_size] * self.block_size + position % self.block_size
-
     def utilization(self, seqs: list[Sequence]) -> float:
         """Token slots holding tokens / token slots allocated, over distinct physical blocks."""
         filled: dict[int, int] = {}
