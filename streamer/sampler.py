@@ -32,16 +32,21 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """`logits` `[N, V]` (any float dtype), one row per sequence that samples this step."""
-        logits = logits.float()
-        raw = logits
-        logits = self._apply_penalties(logits.clone(), seqs)
+        raw = logits.float()
+        penalised = self._apply_penalties(raw.clone(), seqs)
+        tokens = penalised.argmax(dim=-1)
         greedy = [s.params.greedy for s in seqs]
-        if all(greedy):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample(logits, seqs, greedy)
+        if not all(greedy):
+            sampled = self._draw(self._warp(penalised, seqs), seqs)
+            tokens = torch.where(torch.tensor(greedy, device=tokens.device), tokens, sampled)
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self._logprobs(raw, seqs, token_list), self._beam_logprobs(raw, seqs))
+
+    def probabilities(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The distribution each row's next token is drawn from (`[N, V]`, rows sum to 1): what
+        `__call__` samples from for non-greedy rows. Exposed so tests can hold it against an
+        independent reference."""
+        return self._warp(self._apply_penalties(logits.float().clone(), seqs), seqs)
 
     @staticmethod
     def _beam_logprobs(raw: torch.Tensor, seqs: list[Sequence]) -> list[torch.Tensor | None]:
@@ -71,12 +76,13 @@ class Sampler:
                 logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
         return logits
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
+    @staticmethod
+    def _warp(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Penalised logits -> probabilities: temperature, then min-p, top-k and top-p."""
         device = logits.device
         vocab = logits.shape[1]
         temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=device)
-        logits = logits / temps[:, None]
-        probs = torch.softmax(logits, dim=-1)
+        probs = torch.softmax(logits / temps[:, None], dim=-1)
         min_p = torch.tensor([s.params.min_p for s in seqs], device=device)
         if bool((min_p > 0).any()):
             threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
@@ -85,18 +91,19 @@ class Sampler:
         top_p = [s.params.top_p for s in seqs]
         if min(top_k) < vocab or min(top_p) < 1.0:
             probs = _top_k_top_p(probs, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device))
+        return probs / probs.sum(dim=-1, keepdim=True)
+
+    def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         noise = torch.empty_like(probs)
         for row, seq in enumerate(seqs):
             if seq.params.seed is None:
                 noise[row].exponential_(generator=self.generator)
             else:
-                gen = torch.Generator(device=device).manual_seed(
+                gen = torch.Generator(device=probs.device).manual_seed(
                     _derived_seed(seq.params.seed, seq.index, seq.num_output_tokens))
                 noise[row].exponential_(generator=gen)
         # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p.
-        sampled = (probs / noise).argmax(dim=-1)
-        greedy_mask = torch.tensor(greedy, device=device)
-        return torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
+        return (probs / noise).argmax(dim=-1)
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[dict[int, float] | None]:
