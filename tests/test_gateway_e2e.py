@@ -138,7 +138,8 @@ async def test_auth_refused_and_slow_reader_closed_while_fast_one_finishes(llama
         async with connect(gw.ws_url, additional_headers={"Authorization": "Bearer secret"}) as fast:
             await send(fast, {"type": "generate", "id": "fast", "prompt": "hi", "params": GREEDY})
             got = (await collect(fast, {"fast"}, timeout=60))["fast"]
-        assert_contiguous(got) and got[-1]["finish_reason"] == "length"
+        assert_contiguous(got)
+        assert got[-1]["finish_reason"] == "length", got[-1]
         close = await asyncio.to_thread(stalled.read_until_closed)
         assert close is not None and close.code == CLOSE_SLOW_CONSUMER
     assert await r.xlen(NAMES.requests) == 0 and not await r.exists(NAMES.job("slow"))
