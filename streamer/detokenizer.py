@@ -38,6 +38,19 @@ class IncrementalDetokenizer:
         if not chunk:
             return None
         self.unflushed = []
+        return self._add_text(chunk, check_stop)
+
+    def flush(self, check_stop: bool = False) -> str | None:
+        """At the end, bytes that never became valid UTF-8 come out as U+FFFD, as a full decode
+        of the same tokens would show them. Text held back that way may complete a stop string:
+        returned like `append`'s."""
+        if not self.unflushed or self.tokenizer is None:
+            return None
+        text = self.tokenizer.decode(self.unflushed, skip_special_tokens=self.skip_special)
+        self.unflushed = []
+        return self._add_text(text, check_stop)
+
+    def _add_text(self, chunk: str, check_stop: bool) -> str | None:
         search_from = max(0, len(self.text) - self.hold)
         self.text += chunk
         if not (check_stop and self.stop):
@@ -48,13 +61,6 @@ class IncrementalDetokenizer:
         index, stop = min(hits)
         self.text = self.text[:index + (len(stop) if self.include_stop else 0)]
         return stop
-
-    def flush(self) -> None:
-        """At the end, bytes that never became valid UTF-8 come out as U+FFFD, as a full decode
-        of the same tokens would show them."""
-        if self.unflushed and self.tokenizer is not None:
-            self.text += self.tokenizer.decode(self.unflushed, skip_special_tokens=self.skip_special)
-            self.unflushed = []
 
     def delta(self, finished: bool) -> str:
         """Text not handed out yet (all of it once finished, else minus the held-back tail)."""

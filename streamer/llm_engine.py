@@ -192,8 +192,14 @@ class LLMEngine:
         if logprobs is not None:
             seq.pending_logprobs.append(logprobs)
         self.counters["generation_tokens"] += 1
-        stop_str = seq.detokenizer.append(token, check_stop=seq.num_output_tokens >= seq.params.min_tokens)
+        check_stop = seq.num_output_tokens >= seq.params.min_tokens
+        stop_str = seq.detokenizer.append(token, check_stop)
         reason = finish_reason_after(seq, token, stop_str, self.eos_token_ids, self.max_model_len)
+        if reason is not None and stop_str is None:
+            # Ending for another reason: text still held back as incomplete UTF-8 may hold a stop string.
+            late_stop = seq.detokenizer.flush(check_stop)
+            if late_stop is not None:
+                reason = ("stop", late_stop)
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason
             self.scheduler.finish(seq)

@@ -1,0 +1,131 @@
+"""Incremental detokenization against a full decode, stop strings against a plain string search.
+
+The reference for any token sequence is `tokenizer.decode(all output tokens)`, cut at the first
+occurrence of any stop string (kept or dropped per `include_stop_str_in_output`). Whatever was
+streamed before the end must always be a prefix of the final text: a stop string, or a character
+still incomplete in UTF-8, must never leak out and be taken back later.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from streamer.detokenizer import IncrementalDetokenizer
+from streamer.random_checkpoint import build_tokenizer
+from streamer.sampling_params import SamplingParams
+
+TEXT = "Héllo wörld, naïve café 日本語のテキスト emoji 🙂🚀 END of the line. stop STOP st0p 0123"
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a transformers tokenizer
+    return build_tokenizer(512, tmp_path_factory.mktemp("tok"))
+
+
+def stream(tok, tokens: list[int], params: SamplingParams, min_tokens: int = 0) -> tuple[list[str], str | None]:
+    """Feed tokens one at a time as the engine does; returns the streamed deltas and the stop hit."""
+    detok = IncrementalDetokenizer(tok.backend_tokenizer, tok(PROMPT).input_ids, params)
+    deltas, hit = [], None
+    for i, token in enumerate(tokens, start=1):
+        hit = detok.append(token, check_stop=i >= min_tokens)
+        if hit is None and i == len(tokens):  # the engine's last step for a sequence that ends anyway
+            hit = detok.flush(check_stop=i >= min_tokens)
+        finished = hit is not None or i == len(tokens)
+        deltas.append(detok.delta(finished=finished))
+        if hit is not None:
+            break
+    return deltas, hit
+
+
+def reference(tok, tokens: list[int], stops: list[str], include: bool) -> tuple[str, str | None]:
+    text = tok.decode(tokens, skip_special_tokens=True)
+    hits = [(text.find(s), s) for s in stops if s in text]
+    if not hits:
+        return text, None
+    index, stop = min(hits)
+    return text[: index + (len(stop) if include else 0)], stop
+
+
+def assert_prefix_stream(deltas: list[str], final: str) -> None:
+    streamed = ""
+    for delta in deltas:
+        streamed += delta
+        assert final.startswith(streamed), f"streamed {streamed!r}, which the final text {final!r} takes back"
+    assert streamed == final
+
+
+def test_streamed_text_is_the_full_decode(tok) -> None:
+    tokens = tok(TEXT).input_ids
+    deltas, hit = stream(tok, tokens, SamplingParams())
+    assert hit is None
+    assert_prefix_stream(deltas, tok.decode(tokens, skip_special_tokens=True))
+
+
+@pytest.mark.parametrize("stops", [["END"], ["wörld"], ["🚀"], ["本語"], ["ST", "stop"], ["never", "line."],
+                                   ["e"], ["0123"], ["café 日"]])
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_cut_at_their_first_occurrence(tok, stops: list[str], include: bool) -> None:
+    tokens = tok(TEXT).input_ids
+    params = SamplingParams(stop=stops, include_stop_str_in_output=include)
+    deltas, hit = stream(tok, tokens, params)
+    want_text, want_stop = reference(tok, tokens, stops, include)
+    assert hit == want_stop
+    assert_prefix_stream(deltas, want_text)
+
+
+def test_stop_strings_are_not_searched_before_min_tokens(tok) -> None:
+    tokens = tok("a stop b stop c").input_ids
+    params = SamplingParams(stop=["stop"])
+    early = len(tok("a stop").input_ids)  # the first "stop" is complete within these tokens
+    deltas, hit = stream(tok, tokens, params, min_tokens=early + 1)
+    assert hit == "stop"
+    assert "".join(deltas) == "a stop b "
+
+
+def test_no_stop_strings_means_no_hold_back(tok) -> None:
+    tokens = tok("plain words here").input_ids
+    deltas, _ = stream(tok, tokens, SamplingParams())
+    assert all(deltas), "every token of plain ASCII text should stream its text at once"
+
+
+def test_incomplete_utf8_at_the_end_becomes_a_replacement_character(tok) -> None:
+    emoji = tok.backend_tokenizer.encode("🙂", add_special_tokens=False).ids
+    assert len(emoji) > 1, "the test needs a character split over several tokens"
+    tokens = tok("ok ").input_ids + emoji[:-1]
+    deltas, _ = stream(tok, tokens, SamplingParams())
+    assert "".join(deltas) == tok.decode(tokens, skip_special_tokens=True)
+    assert "".join(deltas).endswith("\ufffd")
+
+
+def test_special_tokens_follow_skip_special_tokens(tok) -> None:
+    tokens = tok("hi").input_ids + [tok.eos_token_id] + tok(" there").input_ids
+    for skip in (True, False):
+        deltas, _ = stream(tok, tokens, SamplingParams(skip_special_tokens=skip))
+        assert "".join(deltas) == tok.decode(tokens, skip_special_tokens=skip)
+    assert "</s>" not in tok.decode(tokens, skip_special_tokens=True)
+
+
+def test_without_a_tokenizer_there_is_no_text() -> None:
+    detok = IncrementalDetokenizer(None, [1, 2], SamplingParams(stop=["x"]))
+    assert detok.append(5, check_stop=True) is None
+    assert detok.delta(finished=True) == ""
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_any_cut_of_any_text_streams_as_a_prefix_of_the_reference(tok, data: st.DataObject) -> None:
+    tokens = tok(TEXT).input_ids
+    n = data.draw(st.integers(1, len(tokens)), label="tokens")
+    full = tok.decode(tokens[:n], skip_special_tokens=True)
+    stops = data.draw(st.lists(st.one_of(
+        st.builds(lambda i, k: TEXT[i:i + k], st.integers(0, len(TEXT) - 1), st.integers(1, 6)),
+        st.text(alphabet="aeost🙂日", min_size=1, max_size=3)), min_size=0, max_size=3), label="stops")
+    stops = [s for s in stops if s]
+    include = data.draw(st.booleans(), label="include")
+    deltas, hit = stream(tok, tokens[:n], SamplingParams(stop=stops, include_stop_str_in_output=include))
+    want_text, want_stop = reference(tok, tokens[:n], stops, include)
+    assert hit == want_stop, full
+    assert_prefix_stream(deltas, want_text)
