@@ -12,8 +12,10 @@ from workers.protocol import (
     ProtocolError,
     decode_event,
     decode_job,
+    done_event,
     encode,
     encode_job,
+    error_event,
     event_stream_id,
     seq_of_stream_id,
     token_event,
@@ -111,6 +113,37 @@ def test_resume_state_folds_tokens_per_sample():
     assert state.next_seq == 3 and not state.finished
     assert state.resume_token_ids(2) == [[5, 6, 8], [7]]
     assert resume_state([]).resume_token_ids(1) is None
+
+
+def resume_entry(event: dict, encoding: str = "msgpack") -> tuple[bytes, dict[bytes, bytes]]:
+    return event_stream_id(event["seq"]).encode(), {encoding.encode(): encode(event, encoding)}
+
+
+def test_resume_gives_every_sample_its_tokens_even_when_some_have_none():
+    state = resume_state([resume_entry(token_event("r", 0, 2, [9], "x"))])
+    assert state.resume_token_ids(4) == [[], [], [9], []]
+    assert resume_state([resume_entry(token_event("r", 0, 0, [], ""))]).resume_token_ids(1) is None
+
+
+@pytest.mark.parametrize("terminal", [
+    done_event("r", 2, ["length"], {"prompt_tokens": 1, "completion_tokens": 2}),
+    error_event("r", 2, "internal", "boom"),
+], ids=["done", "error"])
+@pytest.mark.parametrize("encoding", ["json", "msgpack"])
+def test_resume_sees_a_finished_stream(terminal, encoding):
+    tokens = [token_event("r", 0, 0, [5], "a"), token_event("r", 1, 0, [6], "b")]
+    state = resume_state([resume_entry(e, encoding) for e in [*tokens, terminal]])
+    assert state.finished is True and state.next_seq == 3
+    assert state.resume_token_ids(1) == [[5, 6]]
+    assert resume_state([resume_entry(e, encoding) for e in tokens]).finished is False
+
+
+@pytest.mark.parametrize("seqs", [[1], [0, 2], [0, 1, 1]])
+def test_resume_refuses_a_stream_with_a_gap_or_repeat(seqs):
+    entries = [resume_entry(token_event("r", s, 0, [5], "a")) for s in seqs]
+    at, bad = next((i, s) for i, s in enumerate(seqs) if s != i)
+    with pytest.raises(ValueError, match=f"has seq {bad} where {at} was expected"):
+        resume_state(entries)
 
 
 def test_decode_event_json():
