@@ -1,0 +1,329 @@
+"""Mutation testing of the core modules with mutmut: does the suite notice when the code is wrong?
+
+mutmut changes one thing at a time in a module (`<` into `<=`, `and` into `or`, a constant, a dropped
+call...) and runs the tests that reach the changed function; a mutant that no test fails on
+("survived") is a behaviour nothing checks. Each module is run on its own, with a short list of fast
+tests that exercise it (a whole-suite run per mutant would take hours on 2 cores), in a scratch copy
+of the tree under `mutants/<module>/` (git-ignored), so the repo is never touched.
+
+    python bench/mutation.py                         # all core modules (see --list), then a table
+    python bench/mutation.py stop_checker resume     # just these
+    python bench/mutation.py resume --survivors      # and print every surviving mutant as a diff
+    python bench/mutation.py resume --survivors --no-run   # the last run's survivors, no new run
+
+Not part of CI (slow); see docs/testing.md for expected run times and the last scores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "mutants"  # one scratch tree per module: mutants/<module>/ (its own mutants/ inside)
+
+# Copied into each scratch tree. streamer/ and workers/ are mutmut's source paths (it copies them into
+# its own mutants/ folder and mutates only the module under test there); tests/ and pyproject.toml
+# it copies by itself; docs/ and clients/ are files that tests read. kernels/ is left to the installed
+# package: a copy would rebuild the CPU attention extension (its build depends on the source path).
+SOURCE_PATHS = ("streamer", "workers")
+ALSO_COPY = ("docs", "clients")
+
+# A pytest plugin written into each scratch tree and loaded with -p. mutmut's fork server ignores
+# SIGINT and installs its own SIGTERM and SIGCHLD handlers; the process forked per mutant inherits
+# them, and so do the subprocesses its tests start (an ignored signal stays ignored across exec).
+# Then `streamer generate` never sees the Ctrl-C of test_generate_cli_ctrl_c_cancels_the_request, the
+# test fails after its 30 s timeout, and every mutant it covers counts as killed whatever it does.
+# Restoring the defaults when the tests start (not in the fork server, which only collects) fixes that.
+PLUGIN = "mutation_signals"
+PLUGIN_SOURCE = '''"""Written by bench/mutation.py: tests run with the default signal handlers under mutmut."""
+
+import signal
+
+import pytest
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    if not session.config.option.collectonly:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+'''
+
+
+@dataclass(frozen=True)
+class Target:
+    path: str  # the module to mutate, relative to the repo root
+    tests: tuple[str, ...]  # test files (globs) that exercise it and run in seconds; missing ones are skipped
+
+
+ENGINE_TESTS = ("tests/test_block_manager.py", "tests/test_scheduler*.py", "tests/test_kv_sharing.py",
+                "tests/test_prefix_cache*.py", "tests/test_engine_boundaries.py")
+WORKER_TESTS = ("tests/test_protocol.py", "tests/test_redis_contract.py", "tests/test_worker_e2e.py",
+                "tests/test_worker_bad_input.py")
+
+TARGETS: dict[str, Target] = {
+    "block_manager": Target("streamer/block_manager.py", ENGINE_TESTS),
+    "scheduler": Target("streamer/scheduler.py", ENGINE_TESTS),
+    "sampler": Target("streamer/sampler.py", ("tests/test_sampler_reference.py", "tests/test_sampling.py",
+                                               "tests/test_logprobs.py")),
+    "detokenizer": Target("streamer/detokenizer.py", ("tests/test_detokeniz*.py", "tests/test_sampling.py",
+                                                       "tests/test_block_manager.py")),
+    "stop_checker": Target("streamer/stop_checker.py", ("tests/test_stop*.py", "tests/test_sampling.py",
+                                                         "tests/test_engine_boundaries.py",
+                                                         "tests/test_async_engine.py")),
+    "event_writer": Target("workers/event_writer.py", WORKER_TESTS),
+    "protocol": Target("workers/protocol.py", WORKER_TESTS),
+    "resume": Target("workers/resume.py", WORKER_TESTS),
+}
+
+# mutmut's exit-code verdicts, folded into the table's columns. A crash (SIGKILL at the CPU limit,
+# "segfault" in mutmut's words) counts as a timeout: the tests did not pass.
+COLUMNS = ("mutants", "killed", "survived", "no tests", "timeout", "suspicious")
+
+
+# Same examples every run, so a score does not move by chance; no cache folder in the copy.
+PYTEST_ARGS = ("-p", PLUGIN, "-p", "no:cacheprovider", "--hypothesis-seed=0")
+
+
+def test_files(target: Target, rev: str | None = None) -> list[str]:
+    """The test files of `target` that exist (in the work tree, or in commit `rev`)."""
+    if rev is None:
+        existing = [str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("*.py")]
+    else:
+        existing = subprocess.run(["git", "ls-tree", "--name-only", rev, "tests/"], cwd=ROOT, check=True,
+                                  capture_output=True, text=True).stdout.split()
+    files: list[str] = []
+    for pattern in target.tests:
+        files += [f for f in sorted(existing) if fnmatch.fnmatch(f, pattern) and f not in files]
+    return files
+
+
+def toml_list(items: list[str] | tuple[str, ...]) -> str:
+    return "[" + ", ".join(json.dumps(i) for i in items) + "]"
+
+
+def mutmut_config(target: Target, tests: list[str]) -> str:
+    return "\n".join([
+        "[tool.mutmut]",
+        f"source_paths = {toml_list(SOURCE_PATHS)}",
+        f"only_mutate = {toml_list([target.path])}",
+        f"also_copy = {toml_list([*ALSO_COPY, PLUGIN + '.py'])}",
+        # mutmut runs, for each mutant, only the tests of this list that called the mutated function.
+        f"pytest_add_cli_args_test_selection = {toml_list(tests)}",
+        f"pytest_add_cli_args = {toml_list(PYTEST_ARGS)}",
+        # Each mutant runs in a process forked from a server that has only collected the tests. The
+        # default ("fork": from the process that already ran them) hangs here: torch's thread pools
+        # do not survive a fork, so every mutant would end as a timeout.
+        'process_isolation = "forkserver"',
+        "",
+    ])
+
+
+def prepare(name: str, target: Target, tests: list[str], rev: str | None) -> Path:
+    """A fresh scratch tree for one module: the sources (from the work tree, or from commit `rev`) and
+    pyproject.toml with its [tool.mutmut]."""
+    work = WORK / name
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    dirs = (*SOURCE_PATHS, *ALSO_COPY, "tests")
+    if rev is None:
+        ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", ".pytest_cache")
+        for d in dirs:
+            shutil.copytree(ROOT / d, work / d, ignore=ignore)
+        project = (ROOT / "pyproject.toml").read_text()
+    else:
+        archive = subprocess.run(["git", "archive", "--format=tar", rev, *dirs], cwd=ROOT, check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(work)], input=archive, check=True)
+        project = subprocess.run(["git", "show", f"{rev}:pyproject.toml"], cwd=ROOT, check=True,
+                                 capture_output=True, text=True).stdout
+    project = re.sub(r"(?ms)^\[tool\.mutmut\]\n.*?(?=^\[|\Z)", "", project)  # ours replaces any there
+    (work / "pyproject.toml").write_text(project.rstrip() + "\n\n" + mutmut_config(target, tests))
+    (work / f"{PLUGIN}.py").write_text(PLUGIN_SOURCE)
+    (work / "tests.json").write_text(json.dumps(tests))  # for --check
+    return work
+
+
+def run_mutmut(work: Path, *args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=work, **kwargs)
+
+
+def counts(work: Path) -> dict[str, int] | None:
+    """The verdict counts of the last run in `work`, or None if there is none."""
+    if not (work / "mutants").is_dir():
+        return None
+    run_mutmut(work, "export-cicd-stats", capture_output=True)
+    path = work / "mutants" / "mutmut-cicd-stats.json"
+    if not path.exists():
+        return None
+    s = json.loads(path.read_text())
+    return {
+        "mutants": s["total"] - s["skipped"],
+        "killed": s["killed"],
+        "survived": s["survived"],
+        "no tests": s["no_tests"],
+        "timeout": s["timeout"] + s["segfault"],
+        "suspicious": s["suspicious"],
+        "not checked": s["total"] - s["skipped"] - sum(s[k] for k in (
+            "killed", "survived", "no_tests", "timeout", "segfault", "suspicious", "check_was_interrupted_by_user")),
+    }
+
+
+def score(c: dict[str, int]) -> float | None:
+    """Killed (a failing test, a timeout or a crash) out of all mutants mutmut checked."""
+    checked = c["mutants"] - c["not checked"]
+    return 100.0 * (c["killed"] + c["timeout"]) / checked if checked else None
+
+
+def run(name: str, jobs: int, rev: str | None, verbose: bool) -> tuple[dict[str, int] | None, float]:
+    target = TARGETS[name]
+    tests = test_files(target, rev)
+    work = prepare(name, target, tests, rev)
+    print(f"== {name}: mutating {target.path}; tests: {' '.join(tests)}", flush=True)
+    log = work / "mutmut.log"
+    start = time.monotonic()
+    with open(log, "w") as out:
+        done = run_mutmut(work, "run", "--max-children", str(jobs), stdin=subprocess.DEVNULL,
+                      stdout=None if verbose else out, stderr=subprocess.STDOUT if not verbose else None)
+    elapsed = time.monotonic() - start
+    c = counts(work)
+    if done.returncode != 0 or c is None:
+        print(f"   mutmut failed (exit {done.returncode}) after {elapsed:.0f} s: see {log.relative_to(ROOT)}",
+              flush=True)
+        diagnose(work, tests)
+    else:
+        per = elapsed / c["mutants"] if c["mutants"] else 0.0
+        s = score(c)
+        print(f"   {c['mutants']} mutants in {elapsed:.0f} s ({per:.2f} s per mutant), "
+              f"score {'-' if s is None else f'{s:.1f}%'}", flush=True)
+    return c, elapsed
+
+
+def diagnose(work: Path, tests: list[str]) -> None:
+    """mutmut stops when the unmutated tests fail in its copy, and does not say which: show it."""
+    inner = work / "mutants"
+    if not inner.is_dir():
+        return
+    print("   the test selection on the unmutated copy (mutmut needs it to pass):", flush=True)
+    res = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", *PYTEST_ARGS, *tests], cwd=inner,
+                         capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    for line in (res.stdout + res.stderr).strip().splitlines()[-25:]:
+        print(f"   | {line}")
+    if res.returncode == 0:
+        print("   (it passes now: a flaky test, or one too slow for a loaded machine; run the module again)")
+
+
+def table(rows: list[tuple[str, dict[str, int] | None, float | None]]) -> str:
+    head = ["module", *COLUMNS, "score", "wall time"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, c, elapsed in rows:
+        wall = "-" if elapsed is None else f"{elapsed / 60:.1f} min"
+        if c is None:
+            lines.append(f"| {name} | " + " | ".join("-" for _ in COLUMNS) + f" | no result | {wall} |")
+            continue
+        s = score(c)
+        lines.append(f"| {name} | " + " | ".join(str(c[k]) for k in COLUMNS)
+                     + f" | {'-' if s is None else f'{s:.1f}%'} | {wall} |")
+    return "\n".join(lines)
+
+
+def survivors(name: str) -> None:
+    """Every mutant of the last run that no test failed on, as a diff against the real source."""
+    work = WORK / name
+    res = run_mutmut(work, "results", capture_output=True, text=True)
+    found = [ln.strip().rsplit(": ", 1) for ln in res.stdout.splitlines() if ": " in ln]
+    left = [(m, status) for m, status in found if status in ("survived", "no tests", "suspicious")]
+    print(f"\n#### {name}: {len(left)} mutants not killed ({TARGETS[name].path})")
+    for m, status in left:
+        diff = run_mutmut(work, "show", m, capture_output=True, text=True).stdout
+        print(f"\n# {m} ({status})\n{diff.split(chr(10), 1)[1] if diff.startswith('#') else diff}".rstrip())
+
+
+def check(name: str, mutant: str) -> int:
+    """Run the module's test selection on one mutant of the last run with plain pytest, output shown:
+    to see what a surviving mutant gets past, or to confirm that a kill is a real test failure."""
+    inner = WORK / name / "mutants"
+    if not inner.is_dir():
+        sys.exit(f"no run of {name} to check: run `python bench/mutation.py {name}` first")
+    tests = json.loads((WORK / name / "tests.json").read_text())
+    env = {**os.environ, "MUTANT_UNDER_TEST": mutant}
+    cmd = [sys.executable, "-m", "pytest", "-x", *PYTEST_ARGS, *tests]
+    print(f"MUTANT_UNDER_TEST={mutant} {' '.join(cmd[1:])}", flush=True)
+    return subprocess.call(cmd, cwd=inner, env=env)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("modules", nargs="*", metavar="module",
+                        help=f"core modules to mutate (default: all): {', '.join(TARGETS)}")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="mutants tested at once (default: the number of CPUs)")
+    parser.add_argument("--survivors", action="store_true",
+                        help="also print each mutant that no test failed on, as a diff")
+    parser.add_argument("--no-run", action="store_true",
+                        help="do not run mutmut: report (and with --survivors list) the last run of each module")
+    parser.add_argument("--rev", metavar="COMMIT",
+                        help="mutate and test the files of this commit (e.g. HEAD) instead of the work tree: "
+                             "for a baseline while others are editing")
+    parser.add_argument("--check", metavar="MUTANT",
+                        help="run the module's tests on this mutant of its last run (a name from --survivors "
+                             "or `mutmut results`), with pytest's output")
+    parser.add_argument("--list", action="store_true", help="print the modules and their test selections")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show mutmut's own output")
+    args = parser.parse_args()
+
+    names = []
+    for m in args.modules or list(TARGETS):
+        name = Path(m).stem  # also accepts streamer/stop_checker.py
+        if name not in TARGETS:
+            parser.error(f"unknown module {m!r}: pick from {', '.join(TARGETS)}")
+        names.append(name)
+
+    if args.list:
+        for name in names:
+            tests = test_files(TARGETS[name], args.rev)
+            print(f"{name:14} {TARGETS[name].path:28} {' '.join(tests) or '(no test file yet)'}")
+        return
+
+    if args.check:
+        if len(names) != 1:
+            parser.error("--check takes exactly one module")
+        sys.exit(check(names[0], args.check))
+
+    if not args.no_run:
+        try:
+            import mutmut  # noqa: F401
+        except ImportError:
+            sys.exit("mutmut is not installed: pip install -e '.[dev]'")
+        if args.rev:  # one snapshot for every module, even if the branch moves during a long run
+            args.rev = subprocess.run(["git", "rev-parse", "--verify", f"{args.rev}^{{commit}}"], cwd=ROOT,
+                                      check=True, capture_output=True, text=True).stdout.strip()
+            print(f"mutating commit {args.rev}", flush=True)
+
+    rows = []
+    for name in names:
+        if args.no_run:
+            rows.append((name, counts(WORK / name), None))
+        else:
+            rows.append((name, *run(name, args.jobs, args.rev, args.verbose)))
+    print()
+    print(table(rows))
+    if args.survivors:
+        for name, c, _ in rows:
+            if c is not None:
+                survivors(name)
+
+
+if __name__ == "__main__":
+    main()
