@@ -40,11 +40,11 @@ class IncrementalDetokenizer:
         self.unflushed = []
         return self._add_text(chunk, check_stop)
 
-    def flush(self, check_stop: bool = False) -> str | None:
+    def flush(self, check_stop: bool) -> str | None:
         """At the end, bytes that never became valid UTF-8 come out as U+FFFD, as a full decode
         of the same tokens would show them. Text held back that way may complete a stop string:
         returned like `append`'s."""
-        if not self.unflushed or self.tokenizer is None:
+        if not self.unflushed:  # (always so without a tokenizer)
             return None
         text = self.tokenizer.decode(self.unflushed, skip_special_tokens=self.skip_special)
         self.unflushed = []
@@ -64,8 +64,8 @@ class IncrementalDetokenizer:
 
     def delta(self, finished: bool) -> str:
         """Text not handed out yet (all of it once finished, else minus the held-back tail)."""
-        if finished:
-            self.flush()
+        if finished:  # stop strings were checked when the sequence finished; an abort checks none
+            self.flush(check_stop=False)
         end = len(self.text) if finished else max(self.emitted, len(self.text) - self.hold)
         out = self.text[self.emitted:end]
         self.emitted = end

@@ -1,7 +1,8 @@
 """Incremental detokenization against a full decode, stop strings against a plain string search.
 
-The reference for any token sequence is `tokenizer.decode(all output tokens)`, cut at the first
-occurrence of any stop string (kept or dropped per `include_stop_str_in_output`). Whatever was
+The reference for any token sequence is `tokenizer.decode` of its tokens, cut at the first token
+whose text completes a stop string (the stop string kept or dropped per
+`include_stop_str_in_output`). Whatever was
 streamed before the end must always be a prefix of the final text: a stop string, or a character
 still incomplete in UTF-8, must never leak out and be taken back later.
 """
@@ -41,12 +42,15 @@ def stream(tok, tokens: list[int], params: SamplingParams, min_tokens: int = 0) 
 
 
 def reference(tok, tokens: list[int], stops: list[str], include: bool) -> tuple[str, str | None]:
-    text = tok.decode(tokens, skip_special_tokens=True)
-    hits = [(text.find(s), s) for s in stops if s in text]
-    if not hits:
-        return text, None
-    index, stop = min(hits)
-    return text[: index + (len(stop) if include else 0)], stop
+    """A stream stops at the first token whose text completes a stop string; of the stop strings in
+    the text by then, the one that starts first is the cut."""
+    for n in range(1, len(tokens) + 1):
+        text = tok.decode(tokens[:n], skip_special_tokens=True)
+        hits = [(text.find(s), s) for s in stops if s in text]
+        if hits:
+            index, stop = min(hits)
+            return text[: index + (len(stop) if include else 0)], stop
+    return tok.decode(tokens, skip_special_tokens=True), None
 
 
 def assert_prefix_stream(deltas: list[str], final: str) -> None:
@@ -98,6 +102,45 @@ def test_incomplete_utf8_at_the_end_becomes_a_replacement_character(tok) -> None
     deltas, _ = stream(tok, tokens, SamplingParams())
     assert "".join(deltas) == tok.decode(tokens, skip_special_tokens=True)
     assert "".join(deltas).endswith("\ufffd")
+
+
+def test_a_stop_string_in_text_held_back_as_incomplete_utf8_still_stops(tok) -> None:
+    """"日本" only comes out with the bytes of the next character: cut there, the sequence ends with
+    its text still held, and the stop string in it must count."""
+    tokens = tok(TEXT).input_ids
+    texts = [tok.decode(tokens[:n]) for n in range(len(tokens))]
+    cut = next(n for n, text in enumerate(texts) if "日" in text and text.endswith("\ufffd"))
+    deltas, hit = stream(tok, tokens[:cut], SamplingParams(stop=["日"]))
+    assert hit == "日"
+    assert "".join(deltas) == tok.decode(tokens[:cut]).split("日")[0]
+
+
+@pytest.fixture(scope="module")
+def metaspace_tok():  # noqa: ANN201 - a transformers tokenizer
+    """A SentencePiece-style tokenizer ("▁word" pieces): a word's leading space only shows in context."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace()
+    raw.decoder = decoders.Metaspace()
+    raw.train_from_iterator([PROMPT + " " + TEXT] * 4, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"],
+                                                                          show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
+
+
+@pytest.mark.parametrize("prompt_words", [1, 3, 40])
+def test_first_token_text_depends_on_the_prompt_before_it(metaspace_tok, prompt_words: int) -> None:
+    """The streamed text is the output's text in context: decode(prompt + output) minus the prompt's."""
+    prompt = metaspace_tok(" ".join((PROMPT.split() * 10)[:prompt_words])).input_ids
+    output = metaspace_tok("quick brown fox").input_ids
+    detok = IncrementalDetokenizer(metaspace_tok.backend_tokenizer, prompt, SamplingParams())
+    text = ""
+    for token in output:
+        detok.append(token, check_stop=True)
+        text += detok.delta(finished=False)
+    text += detok.delta(finished=True)
+    assert text == metaspace_tok.decode(prompt + output)[len(metaspace_tok.decode(prompt)):] == " quick brown fox"
 
 
 def test_special_tokens_follow_skip_special_tokens(tok) -> None:
