@@ -1,7 +1,7 @@
 """Incremental detokenization against a full decode, stop strings against a plain string search.
 
 The reference for any token sequence is `tokenizer.decode` of its tokens, cut at the first token
-whose text completes a stop string (the stop string kept or dropped per
+whose text, once valid UTF-8, completes a stop string (the stop string kept or dropped per
 `include_stop_str_in_output`). Whatever was
 streamed before the end must always be a prefix of the final text: a stop string, or a character
 still incomplete in UTF-8, must never leak out and be taken back later.
@@ -42,10 +42,14 @@ def stream(tok, tokens: list[int], params: SamplingParams, min_tokens: int = 0) 
 
 
 def reference(tok, tokens: list[int], stops: list[str], include: bool) -> tuple[str, str | None]:
-    """A stream stops at the first token whose text completes a stop string; of the stop strings in
-    the text by then, the one that starts first is the cut."""
+    """Text becomes visible once it is valid UTF-8 (a token that ends inside a character shows
+    nothing until the character is complete), and all of it at the end. The stream stops at the
+    first token whose visible text completes a stop string; of the stop strings in the text by
+    then, the one that starts first is the cut."""
     for n in range(1, len(tokens) + 1):
         text = tok.decode(tokens[:n], skip_special_tokens=True)
+        if text.endswith("\ufffd") and n < len(tokens):
+            continue
         hits = [(text.find(s), s) for s in stops if s in text]
         if hits:
             index, stop = min(hits)
@@ -157,7 +161,7 @@ def test_without_a_tokenizer_there_is_no_text() -> None:
     assert detok.delta(finished=True) == ""
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True)  # the same examples in CI and mutation runs
 @given(data=st.data())
 def test_any_cut_of_any_text_streams_as_a_prefix_of_the_reference(tok, data: st.DataObject) -> None:
     tokens = tok(TEXT).input_ids
