@@ -1,0 +1,168 @@
+"""The scheduler's bookkeeping, step by step, on the real block manager (no model): token budget,
+sequence cap, waiting-queue bounds and token accounting, prefix-cache counters, aborts."""
+
+from __future__ import annotations
+
+import pytest
+
+from streamer.block_manager import BlockManager
+from streamer.errors import QueueFullError
+from streamer.request import SeqStatus, Sequence
+from streamer.scheduler import Scheduler, WaitingQueue
+from tests.test_block_manager import make_seq
+
+BS = 4
+
+
+def make(num_blocks: int = 32, max_num_seqs: int = 8, budget: int = 100, max_waiting: int = 100,
+         max_waiting_tokens: int | None = None, caching: bool = False) -> Scheduler:
+    bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching)
+    return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=1000,
+                     max_waiting_requests=max_waiting, max_waiting_tokens=max_waiting_tokens)
+
+
+def seq(n: int, name: str = "", first: int = 1, priority: int = 0) -> Sequence:
+    s = make_seq(n, first)
+    s.request_id, s.priority = name or f"r{n}", priority
+    return s
+
+
+def advance(sched: Scheduler) -> list[tuple[str, int]]:
+    """Schedule one step and apply it as the engine would: (request id, tokens) per scheduled row."""
+    out = sched.schedule()
+    for item in out.scheduled:
+        samples = item.samples
+        item.seq.num_computed_tokens += item.num_new_tokens
+        sched.block_manager.cache_full_blocks(item.seq)
+        if samples:
+            item.seq.token_ids.append(7)
+    return [(item.seq.request_id, item.num_new_tokens) for item in out.scheduled]
+
+
+def test_the_token_budget_chunks_prefills_and_decodes_go_first() -> None:
+    sched = make(budget=10)
+    a, b = seq(6, "a"), seq(12, "b", first=50)
+    sched.add(a)
+    sched.add(b)
+    assert advance(sched) == [("a", 6), ("b", 4)]  # b's prompt is cut to the remaining budget
+    assert advance(sched) == [("a", 1), ("b", 8)]  # running sequences first: a decodes, b goes on
+    assert advance(sched) == [("a", 1), ("b", 1)]
+
+
+def test_the_budget_is_never_exceeded_and_a_full_budget_admits_nobody() -> None:
+    sched = make(budget=5)
+    sched.add(seq(5, "a"))
+    sched.add(seq(3, "b", first=20))
+    assert advance(sched) == [("a", 5)]
+    assert len(sched.waiting) == 1 and [s.request_id for s in sched.running] == ["a"]
+
+
+def test_max_num_seqs_caps_the_running_set() -> None:
+    sched = make(max_num_seqs=2)
+    for i in range(3):
+        sched.add(seq(2, f"s{i}", first=10 * i + 1))
+    assert [name for name, _ in advance(sched)] == ["s0", "s1"]
+    assert len(sched.running) == 2 and len(sched.waiting) == 1
+
+
+def test_waiting_queue_bounds_count_requests_and_tokens() -> None:
+    sched = make(max_waiting=2, max_waiting_tokens=10)
+    sched.check_room(2, 5)  # exactly at both limits: fits
+    with pytest.raises(QueueFullError, match="2 requests"):
+        sched.check_room(3, 1)
+    with pytest.raises(QueueFullError, match="10 tokens"):
+        sched.check_room(1, 11)
+    sched.add(seq(6, "a"))
+    assert sched.num_waiting_tokens == 6
+    sched.check_room(1, 4)
+    with pytest.raises(QueueFullError, match="10 tokens"):
+        sched.check_room(1, 5)
+    with pytest.raises(QueueFullError, match="2 requests"):
+        sched.check_room(2, 1)
+
+
+def test_waiting_tokens_are_counted_in_and_out() -> None:
+    sched = make()
+    a, b, c = seq(6, "a"), seq(3, "b", first=20), seq(4, "c", first=40)
+    for s in (a, b, c):
+        sched.add(s)
+    assert sched.num_waiting_tokens == 13
+    sched.finish(c)  # aborted while waiting
+    assert sched.num_waiting_tokens == 9 and len(sched.waiting) == 2 and c.status is SeqStatus.FINISHED
+    advance(sched)
+    assert sched.num_waiting_tokens == 0 and not len(sched.waiting)
+    sched.finish(a)
+    assert a not in sched.running and a.block_ids == [] and a.status is SeqStatus.FINISHED
+
+
+def test_preempted_tokens_count_as_waiting_again() -> None:
+    sched = make(num_blocks=3)
+    a, b = seq(4, "a"), seq(4, "b", first=20)
+    sched.add(a)
+    sched.add(b)
+    advance(sched)  # one block each; both now hold 5 tokens and need a second block
+    out = sched.schedule()
+    assert out.preempted == [b] and sched.num_preemptions == 1 and b.num_preemptions == 1
+    assert sched.num_waiting_tokens == b.num_tokens == 5
+
+
+def test_prefix_cache_counters_count_prompts_and_hits() -> None:
+    sched = make(caching=True)
+    first = seq(10, "first")
+    sched.add(first)
+    advance(sched)
+    sched.finish(first)
+    again = seq(10, "again")  # same tokens: two full blocks cached
+    sched.add(again)
+    advance(sched)
+    assert again.num_cached_tokens == 8
+    assert sched.prefix_cache_query_tokens == 20 and sched.prefix_cache_hit_tokens == 8
+    off = make(caching=False)
+    off.add(seq(10, "x"))
+    advance(off)
+    assert off.prefix_cache_query_tokens == 0 and off.prefix_cache_hit_tokens == 0
+
+
+def test_a_recomputed_sequence_keeps_its_first_cache_hit_count() -> None:
+    """num_cached_tokens reports what the prompt found at first admission, not on a recompute."""
+    sched = make(num_blocks=4, caching=True)
+    warm = seq(8, "warm")
+    sched.add(warm)
+    advance(sched)
+    sched.finish(warm)
+    a = seq(8, "a")  # finds one full block (the last is always recomputed)
+    b = seq(4, "b", first=30)
+    sched.add(a)
+    sched.add(b)
+    advance(sched)
+    assert a.num_cached_tokens == 4
+    for _ in range(8):  # grow until the cache is too small for both
+        if a.num_preemptions:
+            break
+        advance(sched)
+    assert a.num_preemptions == 1 and a.num_cached_tokens == 4
+
+
+def test_a_prompt_that_does_not_fit_gives_its_prefix_hits_back() -> None:
+    sched = make(num_blocks=3, caching=True)
+    warm = seq(8, "warm")
+    sched.add(warm)
+    advance(sched)
+    sched.finish(warm)
+    big = seq(14, "big")  # shares the first block; needs 4 blocks of 3
+    sched.add(big)
+    assert advance(sched) == []
+    assert big.num_computed_tokens == 0 and big.block_ids == [] and sched.block_manager.num_free_blocks == 3
+    assert sched.waiting.peek() is big
+
+
+def test_waiting_queue_orders_by_priority_then_arrival_and_removes() -> None:
+    q = WaitingQueue()
+    a, b, c, d = (seq(1, n, priority=p) for n, p in (("a", 1), ("b", 0), ("c", 1), ("d", 0)))
+    for s in (a, b, c, d):
+        q.push(s)
+    preempted = seq(1, "p", priority=1)
+    q.push(preempted, front=True)
+    assert q.remove(c) and not q.remove(c) and len(q) == 4
+    assert set(q) == {a, b, d, preempted}
+    assert [q.pop().request_id for _ in range(4)] == ["b", "d", "p", "a"]
