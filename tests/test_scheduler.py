@@ -132,8 +132,8 @@ def test_a_recomputed_sequence_keeps_its_first_cache_hit_count() -> None:
     sched.finish(warm)
     a = seq(8, "a")  # finds one full block (the last is always recomputed)
     b = seq(4, "b", first=30)
-    sched.add(a)
     sched.add(b)
+    sched.add(a)  # admitted last, so preempted first
     advance(sched)
     assert a.num_cached_tokens == 4
     for _ in range(8):  # grow until the cache is too small for both
