@@ -1,19 +1,25 @@
 """What the worker leaves in Redis, checked against a real redis-server: each event is stored and
 published exactly once, in seq order, even when it is written twice; every per-request key expires.
 
-The EventWriter cases drive the writer directly (milliseconds each); one test runs real jobs through a
-real worker and then inspects every key in the database, so a new per-request key without a TTL, or a
-new path that forgets one, is caught without anyone having to remember to add a test for it.
+The EventWriter cases drive the writer directly (milliseconds each), also through faults caused on the
+server: a round trip held, its connection dropped, cancelled in flight, writes refused. One test runs
+real jobs through a real worker and then inspects every key in the database, so a new per-request key
+without a TTL, or a new path that forgets one, is caught without anyone having to remember to add a
+test for it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+import redis
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
 from redis_worker_helpers import NAMES, check_complete, dead_letters, read_events, running_worker
@@ -155,6 +161,214 @@ async def test_ack_removes_the_job_and_gives_its_id_claim_the_events_ttl(r: aior
     assert 0 < await r.pttl(NAMES.events(rid)) <= TTL_MS
     assert await r.xlen(NAMES.requests) == 0
     assert (await r.xpending(NAMES.requests, NAMES.group))["pending"] == 0
+
+
+# --- one long-lived EventWriter, as the worker runs it: waiting, acks, faults -----------------------
+# Faults are caused on the real server: CLIENT PAUSE WRITE holds the writer's round trip at Redis (so
+# the test can act while it is in flight), CLIENT KILL drops its connection, CONFIG SET makes Redis
+# refuse writes. Reads and CLIENT/CONFIG commands go on during a WRITE pause.
+
+WRITER = "event-writer-under-test"  # CLIENT SETNAME of the writer's connections, to find them
+
+
+@pytest.fixture
+async def writer(redis_url: str) -> AsyncIterator[EventWriter]:
+    client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2, client_name=WRITER)
+    # Connected (and named) before any pause: Redis 7.0 holds a new connection's handshake too.
+    await client.ping()
+    yield EventWriter(client, NAMES, TTL_MS)
+    await client.aclose()
+
+
+@asynccontextmanager
+async def writes_held(r: aioredis.Redis) -> AsyncIterator[None]:
+    """Redis holds every write until the block ends (and by itself for at most 10 s, should a test fail
+    inside and leave the session's server paused)."""
+    await r.client_pause(10_000, all=False)
+    try:
+        yield
+    finally:
+        await r.client_unpause()
+
+
+async def in_flight(writer: EventWriter) -> None:
+    """Until the writer's round trip is at Redis, held there by `writes_held`: the writer has taken what
+    was put, and no round trip has come back."""
+    await anyio.wait_all_tasks_blocked()
+    assert writer.round_trips == 0
+
+
+async def drop_writer_connections(r: aioredis.Redis) -> None:
+    """CLIENT KILL every connection of the writer: its round trip fails as on a dropped connection."""
+    ids = [c["id"] for c in await r.client_list() if c["name"] == WRITER]
+    assert ids
+    for client_id in ids:
+        await r.client_kill_filter(_id=client_id)
+
+
+def writer_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [rec.getMessage() for rec in caplog.records
+            if rec.name == "streamer.worker" and rec.levelno == logging.WARNING]
+
+
+def recorder(calls: list[str], name: str) -> Callable[[], None]:
+    return lambda: calls.append(name)
+
+
+@pytest.mark.anyio
+async def test_wait_idle_waits_for_every_write_put_before_it_returns(r: aioredis.Redis,
+                                                                    writer: EventWriter) -> None:
+    """`wait_idle` (the worker's last wait before it stops) returns only once Redis holds everything put so
+    far, including what is put while someone already waits; everything put while the writer was busy
+    goes out in one round trip; and once idle, a new put makes it wait again."""
+    seen: dict[str, int] = {}
+
+    async def wait_then_look() -> None:
+        await writer.wait_idle()
+        for rid in ("a", "b"):
+            seen[rid] = await r.xlen(NAMES.events(rid))
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as services:
+            async with anyio.create_task_group() as waiters:
+                writer.put(Write("a", "json", tokens("a", range(2))))
+                waiters.start_soon(wait_then_look)
+                await anyio.wait_all_tasks_blocked()
+                assert not seen  # the writer is not even running: the waiter must still be waiting
+                writer.put(Write("b", "json", tokens("b", range(3))))  # put while it waits
+                services.start_soon(writer.run)
+            assert seen == {"a": 2, "b": 3}
+            assert writer.round_trips == 1  # both writes in one round trip
+            writer.put(Write("a", "json", tokens("a", range(2, 4))))
+            await writer.wait_idle()
+            assert await r.xlen(NAMES.events("a")) == 4
+            assert writer.round_trips == 2
+            writer.close()
+
+
+@pytest.mark.anyio
+async def test_on_written_runs_once_per_write_after_redis_holds_its_events_and_ack(
+        r: aioredis.Redis, redis_url: str, writer: EventWriter) -> None:
+    """The worker stops keeping a job alive in `on_written`: it must run once per write, and only once
+    Redis holds that write's events and, for the final write, has acked and removed the job."""
+    await r.xgroup_create(NAMES.requests, NAMES.group, id="0", mkstream=True)
+    entry = (await r.xadd(NAMES.requests, {"json": b"{}"})).decode()
+    await r.xreadgroup(NAMES.group, "w", {NAMES.requests: ">"})
+    sync = redis.Redis.from_url(redis_url)  # the callbacks are plain functions: look with a blocking client
+    seen: list[tuple[str, int, int, int]] = []
+
+    def look(rid: str) -> Callable[[], None]:
+        return lambda: seen.append((rid, sync.xlen(NAMES.events(rid)), sync.xlen(NAMES.requests),
+                                    sync.xpending(NAMES.requests, NAMES.group)["pending"]))
+
+    final = [*tokens("job", range(1, 2)), done_event("job", 2, ["length"], {})]
+    writer.put(Write("job", "json", tokens("job", range(1)), on_written=look("job")))
+    writer.put(Write("other", "json", tokens("other", range(3)), on_written=look("other")))
+    writer.put(Write("job", "json", final, ack_entry=entry, on_written=look("job")))
+    writer.close()
+    with anyio.fail_after(10):
+        await writer.run()
+    sync.close()
+    assert sorted(seen) == [("job", 3, 0, 0), ("job", 3, 0, 0), ("other", 3, 0, 0)]
+
+
+@pytest.mark.anyio
+async def test_a_dropped_connection_is_retried_until_everything_is_in_redis_once(
+        r: aioredis.Redis, redis_url: str, writer: EventWriter, caplog: pytest.LogCaptureFixture) -> None:
+    """A round trip lost with its connection (a Redis restart) is retried, together with what was put
+    while it was in flight, until Redis takes it: each event stored and published once, each
+    `on_written` run once, after the retry. `close` during the outage still lets all of it out before
+    `run` returns. The outage is logged, naming the writer and the error."""
+    sub = await subscribe(r)
+    a, b = tokens("a", range(3)), tokens("b", range(1))
+    written: list[str] = []
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(writer.run)
+            async with writes_held(r):
+                writer.put(Write("a", "json", a[:2], on_written=recorder(written, "a:0-1")))
+                await in_flight(writer)
+                writer.put(Write("a", "json", a[2:], on_written=recorder(written, "a:2")))
+                writer.put(Write("b", "json", b, on_written=recorder(written, "b:0")))
+                await drop_writer_connections(r)
+                writer.close()
+                assert written == []
+            # run returns once it has sent everything
+    assert sorted(written) == ["a:0-1", "a:2", "b:0"]
+    live = await heard(r, sub, ["a", "b"])
+    assert live == {"a": a, "b": b}
+    assert read_events(redis_url, "a") == a and read_events(redis_url, "b") == b
+    assert any("event writer" in m and "ConnectionError" in m for m in writer_warnings(caplog)), \
+        writer_warnings(caplog)
+
+
+@pytest.mark.anyio
+async def test_a_round_trip_cancelled_in_flight_loses_no_write(r: aioredis.Redis, redis_url: str,
+                                                               writer: EventWriter) -> None:
+    """Cancelling `run` while a round trip is in flight (the worker's task group cancelled) keeps both
+    that round trip's writes and those put meanwhile: the next `run` sends them all."""
+    events = tokens("c", range(3))
+    written: list[str] = []
+    with anyio.fail_after(10):
+        async with writes_held(r), anyio.create_task_group() as tg:
+            tg.start_soon(writer.run)
+            writer.put(Write("c", "json", events[:2], on_written=recorder(written, "c:0-1")))
+            await in_flight(writer)
+            writer.put(Write("c", "json", events[2:], on_written=recorder(written, "c:2")))
+            tg.cancel_scope.cancel()
+        assert written == []
+        writer.close()
+        await writer.run()
+    assert sorted(written) == ["c:0-1", "c:2"]
+    assert read_events(redis_url, "c") == events
+
+
+@pytest.mark.anyio
+async def test_a_command_redis_refuses_is_logged_and_the_rest_of_the_flush_lands(
+        r: aioredis.Redis, redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A command Redis refuses (here the ack, the requests key holding a string: WRONGTYPE) would be
+    refused again on a retry: it is logged, not retried, and the flush's other commands still take
+    effect: the events are stored and published, the job's id claim gets the events' TTL."""
+    sub = await subscribe(r)
+    rid = "refused-ack"
+    await r.set(NAMES.requests, "not a stream")
+    await r.set(NAMES.job(rid), "1-1", px=1000)
+    events = [*tokens(rid, range(2)), done_event(rid, 2, ["length"], {})]
+    await flush(r, Write(rid, "json", events, ack_entry="1-1"))  # one round trip, then run returns
+    assert (await heard(r, sub, [rid]))[rid] == events
+    assert read_events(redis_url, rid) == events
+    assert TTL_MS // 2 < await r.pttl(NAMES.job(rid)) <= TTL_MS
+    assert any("event writer" in m and "WRONGTYPE" in m for m in writer_warnings(caplog)), \
+        writer_warnings(caplog)
+
+
+@pytest.mark.anyio
+async def test_writes_redis_refuses_are_not_retried_and_the_writer_carries_on(
+        r: aioredis.Redis, redis_url: str, writer: EventWriter, caplog: pytest.LogCaptureFixture) -> None:
+    """Redis can refuse every write for a while (NOREPLICAS: a primary told to need a replica has none).
+    A refusal is an answer, not an outage: the writer logs it and goes on with the next writes instead
+    of stalling every job behind one it cannot deliver (the unacked job is taken over later)."""
+    await r.xgroup_create(NAMES.requests, NAMES.group, id="0", mkstream=True)
+    entry = (await r.xadd(NAMES.requests, {"json": b"{}"})).decode()
+    later = tokens("later", range(2))
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(writer.run)
+            await r.config_set("min-replicas-to-write", 1)
+            try:
+                writer.put(Write("refused", "json", [done_event("refused", 0, ["length"], {})],
+                                 ack_entry=entry))
+                await writer.wait_idle()
+            finally:
+                await r.config_set("min-replicas-to-write", 0)
+            assert writer.round_trips == 1  # answered once, not retried
+            writer.put(Write("later", "json", later))
+            await writer.wait_idle()
+            writer.close()
+    assert read_events(redis_url, "later") == later
+    assert await r.xlen(NAMES.events("refused")) == 0
+    assert any("event writer" in m and "NOREPLICAS" in m for m in writer_warnings(caplog)), \
+        writer_warnings(caplog)
 
 
 # --- a real worker --------------------------------------------------------------------------------
