@@ -17,11 +17,14 @@ Not part of CI (slow); see docs/testing.md for expected run times and the last s
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import fnmatch
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -38,18 +41,32 @@ WORK = ROOT / "mutants"  # one scratch tree per module: mutants/<module>/ (its o
 SOURCE_PATHS = ("streamer", "workers")
 ALSO_COPY = ("docs", "clients")
 
-# A pytest plugin written into each scratch tree and loaded with -p. mutmut's fork server ignores
+# A pytest plugin written into each scratch tree and loaded with -p. (1) It loads the CPU attention
+# extension before mutmut forks a process per mutant; see pytest_configure below.
+# (2) mutmut's fork server ignores
 # SIGINT and installs its own SIGTERM and SIGCHLD handlers; the process forked per mutant inherits
 # them, and so do the subprocesses its tests start (an ignored signal stays ignored across exec).
 # Then `streamer generate` never sees the Ctrl-C of test_generate_cli_ctrl_c_cancels_the_request, the
 # test fails after its 30 s timeout, and every mutant it covers counts as killed whatever it does.
 # Restoring the defaults when the tests start (not in the fork server, which only collects) fixes that.
-PLUGIN = "mutation_signals"
-PLUGIN_SOURCE = '''"""Written by bench/mutation.py: tests run with the default signal handlers under mutmut."""
+PLUGIN = "mutation_plugin"
+PLUGIN_SOURCE = '''"""Written by bench/mutation.py for mutmut runs: see the comments there."""
 
 import signal
 
 import pytest
+
+
+def pytest_configure(config):
+    # Load the CPU attention extension here, in the fork server, so that the process forked per
+    # mutant has it already. Each first load in a process takes torch's build lock (a file); a
+    # mutant killed at its timeout while holding it leaves the file behind, and every later load on
+    # the machine, plain pytest runs included, then waits for it forever.
+    try:
+        from kernels.cpu_attention import load
+    except ImportError:
+        return
+    load()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -120,7 +137,7 @@ def toml_list(items: list[str] | tuple[str, ...]) -> str:
     return "[" + ", ".join(json.dumps(i) for i in items) + "]"
 
 
-def mutmut_config(target: Target, tests: list[str]) -> str:
+def mutmut_config(target: Target, tests: list[str], timeout_multiplier: float) -> str:
     return "\n".join([
         "[tool.mutmut]",
         f"source_paths = {toml_list(SOURCE_PATHS)}",
@@ -133,11 +150,14 @@ def mutmut_config(target: Target, tests: list[str]) -> str:
         # default ("fork": from the process that already ran them) hangs here: torch's thread pools
         # do not survive a fork, so every mutant would end as a timeout.
         'process_isolation = "forkserver"',
+        # A mutant is stopped (and counted as killed, "timeout") after this many times the normal
+        # duration of its tests, plus one second.
+        f"timeout_multiplier = {timeout_multiplier}",
         "",
     ])
 
 
-def prepare(name: str, target: Target, tests: list[str], rev: str | None) -> Path:
+def prepare(name: str, target: Target, tests: list[str], rev: str | None, timeout_multiplier: float) -> Path:
     """A fresh scratch tree for one module: the sources (from the work tree, or from commit `rev`) and
     pyproject.toml with its [tool.mutmut]."""
     work = WORK / name
@@ -156,7 +176,7 @@ def prepare(name: str, target: Target, tests: list[str], rev: str | None) -> Pat
         project = subprocess.run(["git", "show", f"{rev}:pyproject.toml"], cwd=ROOT, check=True,
                                  capture_output=True, text=True).stdout
     project = re.sub(r"(?ms)^\[tool\.mutmut\]\n.*?(?=^\[|\Z)", "", project)  # ours replaces any there
-    (work / "pyproject.toml").write_text(project.rstrip() + "\n\n" + mutmut_config(target, tests))
+    (work / "pyproject.toml").write_text(project.rstrip() + "\n\n" + mutmut_config(target, tests, timeout_multiplier))
     (work / f"{PLUGIN}.py").write_text(PLUGIN_SOURCE)
     (work / "tests.json").write_text(json.dumps(tests))  # for --check
     return work
@@ -164,6 +184,24 @@ def prepare(name: str, target: Target, tests: list[str], rev: str | None) -> Pat
 
 def run_mutmut(work: Path, *args: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=work, **kwargs)
+
+
+def run_mutmut_session(work: Path, args: argparse.Namespace, out) -> int:
+    """`mutmut run` in a process group of its own, emptied afterwards. A mutant stopped at its timeout
+    is killed with everything it started, and the tests' redis-servers do not die with their parent:
+    without this each timed-out mutant of a worker module leaves a redis-server running."""
+    proc = subprocess.Popen([sys.executable, "-m", "mutmut", "run", "--max-children", str(args.jobs)], cwd=work,
+                            stdin=subprocess.DEVNULL, stdout=None if args.verbose else out,
+                            stderr=None if args.verbose else subprocess.STDOUT, start_new_session=True)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:  # the terminal's Ctrl-C reaches only us: pass it on, mutmut saves and stops
+        proc.send_signal(signal.SIGINT)
+        proc.wait()
+        raise
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
 
 
 def counts(work: Path) -> dict[str, int] | None:
@@ -193,20 +231,39 @@ def score(c: dict[str, int]) -> float | None:
     return 100.0 * (c["killed"] + c["timeout"]) / checked if checked else None
 
 
-def run(name: str, jobs: int, rev: str | None, verbose: bool) -> tuple[dict[str, int] | None, float]:
+def stale_build_locks(minutes: float = 5.0) -> list[Path]:
+    """torch extension build locks older than `minutes`: left by a killed process, they make every
+    later load of that extension wait forever (a build holds its lock for seconds)."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache / "torch_extensions")
+    now = time.time()
+    return [p for p in root.glob("*/*/lock") if now - p.stat().st_mtime > minutes * 60]
+
+
+def run(name: str, args: argparse.Namespace) -> tuple[dict[str, int] | None, float]:
+    WORK.mkdir(exist_ok=True)
+    with open(WORK / f"{name}.lock", "w") as lock:
+        try:  # two runs of one module in one checkout would delete each other's scratch tree
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"== {name}: skipped, another run of it is in progress in this checkout", flush=True)
+            return None, 0.0
+        return run_locked(name, args)
+
+
+def run_locked(name: str, args: argparse.Namespace) -> tuple[dict[str, int] | None, float]:
     target = TARGETS[name]
-    tests = test_files(target, rev)
-    work = prepare(name, target, tests, rev)
+    tests = test_files(target, args.rev)
+    work = prepare(name, target, tests, args.rev, args.timeout_multiplier)
     print(f"== {name}: mutating {target.path}; tests: {' '.join(tests)}", flush=True)
     log = work / "mutmut.log"
     start = time.monotonic()
     with open(log, "w") as out:
-        done = run_mutmut(work, "run", "--max-children", str(jobs), stdin=subprocess.DEVNULL,
-                      stdout=None if verbose else out, stderr=subprocess.STDOUT if not verbose else None)
+        returncode = run_mutmut_session(work, args, out)
     elapsed = time.monotonic() - start
     c = counts(work)
-    if done.returncode != 0 or c is None:
-        print(f"   mutmut failed (exit {done.returncode}) after {elapsed:.0f} s: see {log.relative_to(ROOT)}",
+    if returncode != 0 or c is None:
+        print(f"   mutmut failed (exit {returncode}) after {elapsed:.0f} s: see {log.relative_to(ROOT)}",
               flush=True)
         diagnose(work, tests)
     else:
@@ -276,6 +333,10 @@ def main() -> None:
                         help=f"core modules to mutate (default: all): {', '.join(TARGETS)}")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="mutants tested at once (default: the number of CPUs)")
+    parser.add_argument("--timeout-multiplier", type=float, default=15.0,
+                        help="stop a mutant after this many times its tests' normal duration, plus 1 s (default: "
+                             "mutmut's 15). Lower spends less time on hung mutants (most of the scheduler's run); "
+                             "too low on a loaded machine counts slow but correct mutants as killed")
     parser.add_argument("--survivors", action="store_true",
                         help="also print each mutant that no test failed on, as a diff")
     parser.add_argument("--no-run", action="store_true",
@@ -318,12 +379,18 @@ def main() -> None:
                                       check=True, capture_output=True, text=True).stdout.strip()
             print(f"mutating commit {args.rev}", flush=True)
 
+    stale = [] if args.no_run else stale_build_locks()
+    if stale:
+        sys.exit("stale torch extension build lock (a process was killed while building or loading the CPU "
+                 "attention kernel); every test using the engine would hang. Check that no build is running, "
+                 "then remove it:\n  " + "\n  ".join(map(str, stale)))
+
     rows = []
     for name in names:
         if args.no_run:
             rows.append((name, counts(WORK / name), None))
         else:
-            rows.append((name, *run(name, args.jobs, args.rev, args.verbose)))
+            rows.append((name, *run(name, args)))
     print()
     print(table(rows))
     if args.survivors:
