@@ -119,6 +119,19 @@ def test_a_stop_string_in_text_held_back_as_incomplete_utf8_still_stops(tok) -> 
     assert "".join(deltas) == tok.decode(tokens[:cut]).split("日")[0]
 
 
+def test_an_aborted_sequence_gets_its_held_back_text_untrimmed(tok) -> None:
+    """An abort is not a stop: text still held back comes out whole, stop strings and all."""
+    tokens = tok(TEXT).input_ids
+    texts = [tok.decode(tokens[:n]) for n in range(len(tokens))]
+    cut = next(n for n, text in enumerate(texts) if "日" in text and text.endswith("\ufffd"))
+    detok = IncrementalDetokenizer(tok.backend_tokenizer, tok(PROMPT).input_ids, SamplingParams(stop=["日"]))
+    streamed = ""
+    for token in tokens[:cut]:
+        assert detok.append(token, check_stop=True) is None
+        streamed += detok.delta(finished=False)
+    assert streamed + detok.delta(finished=True) == texts[cut]
+
+
 @pytest.fixture(scope="module")
 def metaspace_tok():  # noqa: ANN201 - a transformers tokenizer
     """A SentencePiece-style tokenizer ("▁word" pieces): a word's leading space only shows in context."""
