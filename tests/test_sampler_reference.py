@@ -11,7 +11,10 @@ frequencies of the reference distribution (Pearson chi-square, false-alarm rate 
 an arbitrary choice of seeds; with the fixed seeds here the outcome is deterministic), and never a
 token the reference gives probability 0.
 
-Logprobs are checked against transformers' own scores for the same tokens in `test_logprobs.py`.
+Logprobs are checked against transformers' own scores for the same tokens in `test_logprobs.py`;
+here, against a float64 log-softmax: per row in a mixed batch, and the full rows beam search gets.
+Stated properties without a reference: unseeded draws depend on the sampler's seed and not on
+torch's global RNG, and no tensor the sampler makes depends on torch's default device.
 """
 
 from __future__ import annotations
@@ -68,8 +71,10 @@ def reference_probs(logits: torch.Tensor, p: SamplingParams, prompt: list[int] =
     input_ids = torch.tensor([list(prompt) + list(output)])
     scores = logits[None].clone().double()
     processors = LogitsProcessorList()
-    if p.min_tokens:
-        processors.append(MinNewTokensLengthLogitsProcessor(len(prompt), p.min_tokens, [EOS] + p.stop_token_ids))
+    # min_tokens holds back every token that would stop the request: EOS is one unless ignore_eos.
+    banned = ([] if p.ignore_eos else [EOS]) + p.stop_token_ids
+    if p.min_tokens and banned:
+        processors.append(MinNewTokensLengthLogitsProcessor(len(prompt), p.min_tokens, banned))
     if p.repetition_penalty != 1.0:
         processors.append(RepetitionPenaltyLogitsProcessor(p.repetition_penalty))
     scores = processors(input_ids, scores)
@@ -95,6 +100,7 @@ CASES = {
     "top_k 1": SamplingParams(top_k=1),
     "top_k 3": SamplingParams(temperature=0.8, top_k=3),
     "top_k 10": SamplingParams(top_k=10),
+    "top_k 0 is off": SamplingParams(temperature=0.9, top_k=0),
     "top_p 0.3": SamplingParams(top_p=0.3),
     "top_p 0.9 temperature 1.3": SamplingParams(temperature=1.3, top_p=0.9),
     "min_p 0.05": SamplingParams(min_p=0.05),
@@ -102,11 +108,13 @@ CASES = {
     "min_p 1 keeps the top token": SamplingParams(min_p=1.0),
     "repetition 1.4": SamplingParams(repetition_penalty=1.4),
     "repetition 0.7": SamplingParams(repetition_penalty=0.7),
+    "repetition 2 (the largest allowed)": SamplingParams(repetition_penalty=2.0),
     "presence 1.5": SamplingParams(presence_penalty=1.5),
     "frequency 0.8": SamplingParams(frequency_penalty=0.8),
     "presence -1 frequency 0.5": SamplingParams(presence_penalty=-1.0, frequency_penalty=0.5),
     "frequency -0.7": SamplingParams(frequency_penalty=-0.7),
     "min_tokens bans eos and stop ids": SamplingParams(min_tokens=10, stop_token_ids=[7, 11]),
+    "min_tokens with ignore_eos leaves eos alone": SamplingParams(min_tokens=10, stop_token_ids=[7], ignore_eos=True),
     "everything": SamplingParams(temperature=0.7, top_k=12, top_p=0.85, min_p=0.02, repetition_penalty=1.2,
                                  presence_penalty=0.4, frequency_penalty=0.3),
 }
@@ -156,6 +164,22 @@ def test_top_p_keeps_the_token_that_crosses_the_threshold(top_p: float, kept: in
     got = Sampler({EOS}, seed=0).probabilities(logits, [make_seq(params, output=[])])[0]
     assert int((got > 0).sum()) == kept
     torch.testing.assert_close(got, reference_probs(logits[0], params, output=[]), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("top_p, kept", [(0.25, 1), (0.5, 2), (0.75, 3), (1.0, 4)])
+def test_top_p_reached_exactly_needs_no_further_token(top_p: float, kept: int) -> None:
+    """Four equally likely tokens (0.25 each, exact in float32): once the mass of the tokens
+    already kept equals top_p exactly, the nucleus is complete and the next token is left out.
+    transformers' TopPLogitsWarper agrees (it drops tokens whose ascending cumulative mass is <=
+    1 - top_p)."""
+    logits = torch.full((1, VOCAB), float("-inf"))
+    logits[0, [3, 8, 20, 33]] = 0.0
+    params = SamplingParams(top_p=top_p)
+    got = Sampler({EOS}, seed=0).probabilities(logits, [make_seq(params, output=[])])[0]
+    want = reference_probs(logits[0], params, output=[])
+    assert int((got > 0).sum()) == int((want > 0).sum()) == kept
+    # Which of the tied tokens stay is arbitrary; their probabilities are not.
+    torch.testing.assert_close(got.sort().values, want.sort().values, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("k", [1, 2, 5, VOCAB - 1, VOCAB, VOCAB + 10])
@@ -233,3 +257,95 @@ def test_seeded_draws_depend_only_on_seed_index_and_position() -> None:
     positions = {sampler(logits[0:1], [make_seq(SamplingParams(seed=77), output=OUTPUT[:k])]).token_ids[0]
                  for k in range(6)}
     assert len(positions) > 1
+
+
+def test_unseeded_draws_follow_the_sampler_seed_not_the_global_rng() -> None:
+    """Rows without a seed draw from the sampler's own generator, seeded by the engine seed: two
+    samplers made with the same seed draw the same tokens whatever else used torch's global RNG,
+    and another seed draws others."""
+    logits = random_logits(13, rows=64, scale=0.3)  # close to uniform: 64 draws pin the generator
+    seqs = [make_seq(SamplingParams()) for _ in range(64)]
+    draws = []
+    with torch.random.fork_rng():  # leave the global RNG as the other tests expect it
+        for sampler_seed, global_seed in [(5, 1), (5, 2), (6, 1)]:
+            sampler = Sampler({EOS}, seed=sampler_seed)
+            torch.manual_seed(global_seed)
+            draws.append(sampler(logits, seqs).token_ids)
+    assert draws[0] == draws[1]
+    assert draws[0] != draws[2]
+
+
+def log_softmax_reference(row: torch.Tensor) -> list[float]:
+    """log p_j = x_j - log(sum_i exp(x_i)), in float64."""
+    x = row.double()
+    return (x - torch.logsumexp(x, dim=0)).tolist()
+
+
+def test_logprobs_follow_each_rows_own_request_in_a_mixed_batch() -> None:
+    """Rows that asked for no logprobs get None, wherever they sit in the batch; the others get
+    their own top-k of the raw distribution plus the chosen token, before any penalty or warper."""
+    wanted = [None, 2, None, 0, 5]
+    logits = random_logits(17, rows=len(wanted))
+    seqs = [make_seq(SamplingParams(temperature=1.1, top_k=4, presence_penalty=1.0, logprobs=k, seed=i))
+            for i, k in enumerate(wanted)]
+    out = Sampler({EOS}, seed=0)(logits, seqs)
+    assert len(out.logprobs) == len(wanted)
+    for row, k in enumerate(wanted):
+        entry = out.logprobs[row]
+        if k is None:
+            assert entry is None
+            continue
+        ref = log_softmax_reference(logits[row])
+        token = out.token_ids[row]
+        top = sorted(range(VOCAB), key=lambda j: ref[j], reverse=True)[:k]
+        assert entry is not None and set(entry) == set(top) | {token}
+        for j, value in entry.items():
+            assert value == pytest.approx(ref[j], abs=1e-5)
+
+
+def test_beam_rows_get_the_full_raw_log_distribution() -> None:
+    """Beam-search rows carry every token's raw log-probability (beam search scores them all
+    itself); the other rows carry None."""
+    beam = [False, True, False, True]
+    logits = random_logits(19, rows=len(beam))
+    seqs = [make_seq(SamplingParams(use_beam_search=b, beam_width=2) if b else SamplingParams(seed=1))
+            for b in beam]
+    out = Sampler({EOS}, seed=0)(logits, seqs)
+    assert len(out.beam_logprobs) == len(beam)
+    for row, is_beam in enumerate(beam):
+        got = out.beam_logprobs[row]
+        if not is_beam:
+            assert got is None
+            continue
+        assert got is not None and got.shape == (VOCAB,)
+        assert got.tolist() == pytest.approx(log_softmax_reference(logits[row]), abs=1e-5)
+
+
+def test_the_default_device_does_not_matter() -> None:
+    """Every tensor the sampler makes is put on the logits' device. In the engine the logits live
+    on the GPU while torch's default device is the CPU; a tensor made on the default device would
+    not mix with them. Here the default device is switched to "meta" (tensors without data), so any
+    such tensor cannot mix with the CPU logits: the outputs must be those of a normal run."""
+    params = [
+        SamplingParams(temperature=0.7, top_k=12, top_p=0.85, min_p=0.02, repetition_penalty=1.2,
+                       presence_penalty=0.4, frequency_penalty=0.3, logprobs=3, seed=4),
+        SamplingParams(temperature=0.0, min_tokens=10, stop_token_ids=[7], logprobs=1),
+        SamplingParams(use_beam_search=True),
+        SamplingParams(top_p=0.5),
+        SamplingParams(temperature=1.3, min_p=0.1),
+    ]
+    logits = random_logits(21, rows=len(params))
+    seqs = [make_seq(p) for p in params]
+    want = Sampler({EOS}, seed=0)(logits, seqs)
+    want_probs = Sampler({EOS}, seed=0).probabilities(logits, seqs)
+    sampler = Sampler({EOS}, seed=0)  # its generator is made on the CPU, as in the engine
+    with torch.device("meta"):
+        got = sampler(logits, seqs)
+        got_probs = sampler.probabilities(logits, seqs)
+    assert got.token_ids == want.token_ids
+    assert got.logprobs == want.logprobs
+    assert [t is None for t in got.beam_logprobs] == [t is None for t in want.beam_logprobs]
+    for g, w in zip(got.beam_logprobs, want.beam_logprobs):
+        if w is not None:
+            assert g is not None and g.device == w.device and torch.equal(g, w)
+    assert got_probs.device == want_probs.device and torch.equal(got_probs, want_probs)
