@@ -123,13 +123,19 @@ def test_prefix_cache_counters_count_prompts_and_hits() -> None:
     assert off.prefix_cache_query_tokens == 0 and off.prefix_cache_hit_tokens == 0
 
 
-def test_a_recomputed_sequence_keeps_its_first_cache_hit_count() -> None:
-    """num_cached_tokens reports what the prompt found at first admission, not on a recompute."""
-    sched = make(num_blocks=4, caching=True)
+def warmed(num_blocks: int) -> Scheduler:
+    """A caching scheduler whose cache holds the blocks of an 8-token prompt, all freed."""
+    sched = make(num_blocks=num_blocks, caching=True)
     warm = seq(8, "warm")
     sched.add(warm)
     advance(sched)
     sched.finish(warm)
+    return sched
+
+
+def test_a_recomputed_sequence_keeps_its_first_cache_hit_count() -> None:
+    """num_cached_tokens reports what the prompt found at first admission, not on a recompute."""
+    sched = warmed(num_blocks=4)
     a = seq(8, "a")  # finds one full block (the last is always recomputed)
     b = seq(4, "b", first=30)
     sched.add(b)
@@ -144,11 +150,7 @@ def test_a_recomputed_sequence_keeps_its_first_cache_hit_count() -> None:
 
 
 def test_a_prompt_that_does_not_fit_gives_its_prefix_hits_back() -> None:
-    sched = make(num_blocks=3, caching=True)
-    warm = seq(8, "warm")
-    sched.add(warm)
-    advance(sched)
-    sched.finish(warm)
+    sched = warmed(num_blocks=3)
     big = seq(14, "big")  # shares the first block; needs 4 blocks of 3
     sched.add(big)
     assert advance(sched) == []
