@@ -10,6 +10,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from streamer.config import EngineConfig
@@ -24,10 +25,26 @@ class EngineDeadError(RuntimeError):
     """The step loop failed; the engine cannot serve more requests."""
 
 
+@dataclass
+class AddCommand:
+    request_id: str
+    prompt: Any
+    params: SamplingParams
+    priority: int
+    resume_token_ids: list[list[int]] | None
+    stream: asyncio.Queue[RequestOutput | BaseException]  # where its outputs go
+    accepted: asyncio.Future[None]  # settled once the engine took or refused it
+
+
+@dataclass
+class AbortCommand:
+    request_id: str
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig | LLMEngine) -> None:
         self.engine = config if isinstance(config, LLMEngine) else LLMEngine(config)
-        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[AddCommand | AbortCommand] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -73,7 +90,7 @@ class AsyncEngine:
         accepted: asyncio.Future[None] = self._loop.create_future()
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._pending_adds += 1
-        self._send(("add", request_id, prompt, params, priority, resume_token_ids, stream, accepted))
+        self._send(AddCommand(request_id, prompt, params, priority, resume_token_ids, stream, accepted))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -98,7 +115,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort from any thread; its blocks are freed before the next step runs."""
-        self._send(("abort", request_id))
+        self._send(AbortCommand(request_id))
 
     def stats(self) -> dict[str, Any]:
         return dict(self._stats)
@@ -113,7 +130,7 @@ class AsyncEngine:
     def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return self.engine.render_chat(messages)
 
-    def _send(self, command: tuple[Any, ...]) -> None:
+    def _send(self, command: AddCommand | AbortCommand) -> None:
         self._commands.put(command)
         self._wakeup.set()
 
@@ -142,17 +159,17 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "abort":
-                self.engine.abort_request(command[1])
+            if isinstance(command, AbortCommand):
+                self.engine.abort_request(command.request_id)
                 continue
-            _, request_id, prompt, params, priority, resume, stream, accepted = command
             try:
-                self.engine.add_request(request_id, prompt, params, priority, resume)
+                self.engine.add_request(command.request_id, command.prompt, command.params, command.priority,
+                                        command.resume_token_ids)
             except Exception as exc:  # rejected: hand the reason to the caller
-                self._call(_settle, accepted, exc)
+                self._call(_settle, command.accepted, exc)
                 continue
-            self._streams[request_id] = stream
-            self._call(_settle, accepted, None)
+            self._streams[command.request_id] = command.stream
+            self._call(_settle, command.accepted, None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         batch = []

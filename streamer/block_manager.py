@@ -1,16 +1,19 @@
-"""Paged KV-cache memory: fixed-size blocks, per-sequence block tables, reference counts,
-automatic prefix caching and copy-on-write.
+"""Paged KV-cache memory: fixed-size blocks, the block table and block hashes of every sequence,
+reference counts, automatic prefix caching and copy-on-write.
 
 A full block is identified by a chained hash of its parent block's hash and its own token ids
 (128-bit BLAKE2b: collisions are not a practical concern). Blocks nobody references stay cached
 in an LRU free queue until they are needed for new tokens: eviction is lazy and O(1).
+
+The block manager is the only owner of block tables: the scheduler asks it for room, and hands
+the tables it returns to the model runner.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from streamer.request import Sequence
 
@@ -22,6 +25,15 @@ class Block:
     block_hash: bytes | None = None
 
 
+@dataclass
+class PrefixHit:
+    """Cached full blocks that start a sequence: found by `find_cached_prefix`, taken by `allocate`."""
+
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_tokens: int = 0
+
+
 def chain_hash(parent: bytes | None, token_ids: list[int]) -> bytes:
     h = hashlib.blake2b(parent or b"", digest_size=16)
     h.update(b"".join(t.to_bytes(4, "little", signed=False) for t in token_ids))
@@ -29,8 +41,9 @@ def chain_hash(parent: bytes | None, token_ids: list[int]) -> bytes:
 
 
 class BlockManager:
-    """Owns the physical blocks. A sequence holds blocks for the tokens it has (or is about to
-    have) in the cache, allocated on demand, so only its last block can be partly empty."""
+    """Owns the physical blocks and, per sequence id, the blocks each sequence holds for the
+    tokens it has (or is about to have) in the cache, allocated on demand, so only its last block
+    can be partly empty."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         self.num_blocks = num_blocks
@@ -40,6 +53,8 @@ class BlockManager:
         # Unreferenced blocks, least recently freed first; cached ones can still be revived.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}
+        self.tables: dict[int, list[int]] = {}  # seq_id -> block ids
+        self.hashes: dict[int, list[bytes]] = {}  # seq_id -> chain hashes of its full computed blocks
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write, for the next step
 
     @property
@@ -54,14 +69,21 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_queue)
 
+    def block_table(self, seq: Sequence) -> list[int]:
+        """The blocks `seq` holds, in token order (empty when it holds none)."""
+        return self.tables.get(seq.seq_id, [])
+
+    def block_hashes(self, seq: Sequence) -> list[bytes]:
+        return self.hashes.get(seq.seq_id, [])
+
     # ---- prefix cache ------------------------------------------------------------------------
-    def match_prefix(self, seq: Sequence) -> int:
-        """On admission of a sequence with nothing computed: take the longest cached run of its
-        full blocks. Returns the number of tokens that need no computing. At least one token is
-        always left to compute, so the model still produces the next token's logits."""
-        if not self.enable_prefix_caching or seq.num_computed_tokens or seq.block_ids:
-            return 0
-        hashes = self._full_block_hashes(seq, seq.num_tokens)
+    def find_cached_prefix(self, seq: Sequence) -> PrefixHit:
+        """The longest cached run of full blocks that starts a sequence holding no blocks yet.
+        Changes nothing. At least one token is always left to compute, so the model still
+        produces the next token's logits."""
+        if not self.enable_prefix_caching or seq.num_computed_tokens or seq.seq_id in self.tables:
+            return PrefixHit()
+        hashes = self._full_block_hashes(seq, [], seq.num_tokens)
         hits: list[int] = []
         for h in hashes:
             block_id = self.cached.get(h)
@@ -70,15 +92,10 @@ class BlockManager:
             hits.append(block_id)
         if len(hits) * self.block_size >= seq.num_tokens:
             hits.pop()
-        for block_id in hits:
-            self._ref(block_id)
-        seq.block_ids = hits
-        seq.block_hashes = hashes[: len(hits)]
-        seq.num_computed_tokens = len(hits) * self.block_size
-        return seq.num_computed_tokens
+        return PrefixHit(hits, hashes[:len(hits)], len(hits) * self.block_size)
 
-    def _full_block_hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
-        hashes = list(seq.block_hashes)
+    def _full_block_hashes(self, seq: Sequence, known: list[bytes], num_tokens: int) -> list[bytes]:
+        hashes = list(known)
         bs = self.block_size
         for i in range(len(hashes), num_tokens // bs):
             hashes.append(chain_hash(hashes[-1] if hashes else None, seq.token_ids[i * bs:(i + 1) * bs]))
@@ -88,46 +105,58 @@ class BlockManager:
         """Register the blocks that the computed tokens have filled since the last call."""
         if not self.enable_prefix_caching:
             return
-        start = len(seq.block_hashes)
-        seq.block_hashes = self._full_block_hashes(seq, seq.num_computed_tokens)
-        for i in range(start, len(seq.block_hashes)):
-            block = self.blocks[seq.block_ids[i]]
-            h = seq.block_hashes[i]
-            if block.block_hash is None and h not in self.cached:
-                block.block_hash = h
-                self.cached[h] = block.block_id
+        known = self.hashes.get(seq.seq_id, [])
+        start = len(known)
+        hashes = self.hashes[seq.seq_id] = self._full_block_hashes(seq, known, seq.num_computed_tokens)
+        table = self.tables[seq.seq_id]
+        for i in range(start, len(hashes)):
+            block = self.blocks[table[i]]
+            if block.block_hash is None and hashes[i] not in self.cached:
+                block.block_hash = hashes[i]
+                self.cached[hashes[i]] = block.block_id
 
     # ---- allocation --------------------------------------------------------------------------
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> int:
+        """Free blocks that `allocate(seq, num_new_tokens, hit)` would take (a cached hit that
+        nobody references sits in the free queue, so reviving it takes one too)."""
+        table = self.block_table(seq)
+        if hit is not None and hit.block_ids:
+            total = hit.num_tokens + num_new_tokens
+            revived = sum(1 for b in hit.block_ids if self.blocks[b].ref_count == 0)
+            return -(-total // self.block_size) - len(hit.block_ids) + revived
         total = seq.num_computed_tokens + num_new_tokens
-        needed = max(0, -(-total // self.block_size) - len(seq.block_ids))
-        return needed + (1 if self._needs_copy(seq) else 0)
+        needed = max(0, -(-total // self.block_size) - len(table))
+        return needed + (1 if self._needs_copy(seq, table) else 0)
 
-    def _needs_copy(self, seq: Sequence) -> bool:
+    def _needs_copy(self, seq: Sequence, table: list[int]) -> bool:
         """The next token goes into a partly filled block that another sequence shares."""
         pos = seq.num_computed_tokens
-        if pos % self.block_size == 0 or pos // self.block_size >= len(seq.block_ids):
+        if pos % self.block_size == 0 or pos // self.block_size >= len(table):
             return False
-        return self.blocks[seq.block_ids[pos // self.block_size]].ref_count > 1
+        return self.blocks[table[pos // self.block_size]].ref_count > 1
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
-
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Give `seq` enough blocks to hold `num_new_tokens` more tokens; False if there aren't.
-        A shared, partly filled last block is copied first (copy-on-write)."""
-        if self.blocks_needed(seq, num_new_tokens) > self.num_free_blocks:
+    def allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Give `seq` enough blocks to hold `num_new_tokens` more tokens, after the cached `hit`
+        (for a sequence holding none yet): all of it, or nothing and False. A shared, partly
+        filled last block is copied first (copy-on-write)."""
+        if self.blocks_needed(seq, num_new_tokens, hit) > self.num_free_blocks:
             return False
-        if self._needs_copy(seq):
-            index = seq.num_computed_tokens // self.block_size
-            shared = seq.block_ids[index]
-            copy = self._take_free()
+        table = self.tables.setdefault(seq.seq_id, [])
+        computed = seq.num_computed_tokens
+        if hit is not None and hit.block_ids:
+            for block_id in hit.block_ids:
+                self._ref(block_id)
+            table.extend(hit.block_ids)
+            self.hashes[seq.seq_id] = list(hit.block_hashes)
+            computed = hit.num_tokens
+        elif self._needs_copy(seq, table):
+            index = computed // self.block_size
+            shared = table[index]
+            table[index] = self._take_free()
             self.blocks[shared].ref_count -= 1
-            seq.block_ids[index] = copy
-            self.pending_copies.append((shared, copy))
-        total = seq.num_computed_tokens + num_new_tokens
-        while len(seq.block_ids) * self.block_size < total:
-            seq.block_ids.append(self._take_free())
+            self.pending_copies.append((shared, table[index]))
+        while len(table) * self.block_size < computed + num_new_tokens:
+            table.append(self._take_free())
         return True
 
     def _take_free(self) -> int:
@@ -147,23 +176,22 @@ class BlockManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares all of `parent`'s blocks (parallel samples, beams)."""
-        for block_id in parent.block_ids:
+        table = self.block_table(parent)
+        for block_id in table:
             self._ref(block_id)
-        child.block_ids = list(parent.block_ids)
-        child.block_hashes = list(parent.block_hashes)
-        child.num_computed_tokens = parent.num_computed_tokens
+        self.tables[child.seq_id] = list(table)
+        self.hashes[child.seq_id] = list(self.block_hashes(parent))
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references. Unreferenced blocks join the free queue tail-first,
         so a sequence's later blocks are evicted before its earlier (more shareable) ones."""
-        for block_id in reversed(seq.block_ids):
+        for block_id in reversed(self.tables.pop(seq.seq_id, [])):
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed more often than owned"
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
-        seq.block_ids = []
-        seq.block_hashes = []
+        self.hashes.pop(seq.seq_id, None)
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
@@ -174,7 +202,7 @@ class BlockManager:
         filled: dict[int, int] = {}
         bs = self.block_size
         for s in seqs:
-            for i, block_id in enumerate(s.block_ids):
+            for i, block_id in enumerate(self.block_table(s)):
                 held = min(bs, max(0, s.num_computed_tokens - i * bs))
                 filled[block_id] = max(filled.get(block_id, 0), held)
         return sum(filled.values()) / (len(filled) * bs) if filled else 0.0

@@ -1,19 +1,35 @@
-"""Chooses what runs the model: one in-process ModelRunner, or tensor-parallel ranks."""
+"""What runs the model for the engine: one in-process ModelRunner, or tensor-parallel ranks."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 import torch
 
+from streamer.attention.backend import AttentionBackend
 from streamer.config import EngineConfig
 from streamer.model_config import ModelConfig
-from streamer.sampler import Sampler
+from streamer.request import Sequence
+from streamer.sampler import Sampler, SamplerOutput
+from streamer.scheduler_output import ScheduledSeq
 
 
-def make_executor(config: EngineConfig, model_config: ModelConfig, device: torch.device, sampler: Sampler) -> Any:
-    """Anything with ModelRunner's surface: `execute(scheduled, block_copies)`, `num_kv_blocks`,
-    `backend.name`, `shutdown()`."""
+class Executor(Protocol):
+    """The runner's surface, as the engine uses it."""
+
+    num_kv_blocks: int
+    backend: AttentionBackend
+
+    def execute(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]] | None = None
+                ) -> tuple[list[Sequence], SamplerOutput | None]:
+        """Run one step; the sequences that sampled, and what they sampled (in order)."""
+        ...
+
+    def shutdown(self) -> None:
+        ...
+
+
+def make_executor(config: EngineConfig, model_config: ModelConfig, device: torch.device, sampler: Sampler) -> Executor:
     if config.tensor_parallel_size == 1:
         from streamer.model_runner import ModelRunner
 

@@ -1,14 +1,15 @@
-"""Requests and their sequences: the plain state the scheduler and the engine move forward."""
+"""Requests and their sequences: the plain scheduling state the scheduler moves forward.
+
+What is not scheduling state lives with its owner: block tables and block hashes with the block
+manager, text and stop strings with the output processor, beam scores with the beam search.
+"""
 
 from __future__ import annotations
 
 import enum
 import itertools
-import time
 from dataclasses import dataclass, field
-from typing import Any
 
-from streamer.detokenizer import IncrementalDetokenizer
 from streamer.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -17,6 +18,9 @@ _seq_ids = itertools.count()
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    # Preempted with nothing left to compute (a beam waiting for its siblings): it rejoins the
+    # queue only when the beam step extends it.
+    PARKED = "parked"
     FINISHED = "finished"
 
 
@@ -34,25 +38,12 @@ class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer
     priority: int = 0
-    arrival: float = field(default_factory=time.monotonic)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     num_computed_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of its full computed blocks
     status: SeqStatus = SeqStatus.WAITING
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     num_preemptions: int = 0
-    # Siblings of a parallel-sampling request, forked from this one once its prompt is computed.
-    pending_forks: list[Sequence] = field(default_factory=list)
-    # Generated since the last output was handed to the caller (deltas).
-    pending_token_ids: list[int] = field(default_factory=list)
-    pending_logprobs: list[dict[int, float]] = field(default_factory=list)
-    beam_logprobs: Any = None  # beam search: next-token log-probs, waiting for the sibling beams
 
     @property
     def num_tokens(self) -> int:
@@ -70,17 +61,21 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
+    def sibling(self, index: int) -> Sequence:
+        """A new sequence of the same request holding the same tokens (nothing computed)."""
+        return Sequence(request_id=self.request_id, index=index, token_ids=list(self.token_ids),
+                        num_prompt_tokens=self.num_prompt_tokens, params=self.params, priority=self.priority)
+
 
 @dataclass(eq=False)
 class Request:
-    """A caller's request: a prompt and `n` sequences sampled from it."""
+    """A caller's request: a prompt and `n` sequences sampled from it (beams, for beam search)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     sequences: list[Sequence]
     prompt: str | None = None
-    beam: Any = None  # beam_search.BeamState for beam-search requests
 
     @property
     def is_finished(self) -> bool:

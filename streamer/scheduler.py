@@ -1,119 +1,128 @@
-"""Iteration-level scheduler with vLLM V1's single rule.
+"""Iteration-level scheduler with vLLM V1's single rule; the owner of every request's lifecycle.
 
 Every sequence has `num_computed_tokens`; each step hands out a token budget so that sequences
 catch up with their tokens. Decodes (1 token) and prefills (many, chunked when the budget is
 short) of different requests share a step. When blocks run out, the most recently admitted
 running sequence is preempted: its blocks are freed and it is recomputed later.
+
+One step is `schedule() -> SchedulerOutput`, the model, then `update_from_output(...)`: it
+advances computed tokens, caches full blocks, forks samples, appends the sampled tokens, checks
+the token rules of stopping and finishes sequences. Nothing else moves a sequence.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
+from streamer.beam_search import Selection
+from streamer.beams import Beams
 from streamer.block_manager import BlockManager
 from streamer.errors import QueueFullError
-from streamer.request import SeqStatus, Sequence
+from streamer.request import Request, SeqStatus, Sequence
+from streamer.scheduler_output import EngineCoreOutputs, ScheduledSeq, SchedulerOutput, SeqUpdate
+from streamer.scheduler_stats import SchedulerStats
+from streamer.stop_checker import finish_reason_after
+from streamer.waiting_queue import WaitingQueue
+
+if TYPE_CHECKING:
+    from streamer.sampler import SamplerOutput
 
 
 @dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-    forks: list[Sequence] = field(default_factory=list)  # siblings that sample from this row
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the sequence, so a token is sampled after it."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the forward
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-
-class WaitingQueue:
-    """FCFS, or by (priority, arrival) when priorities are used; lower priority value runs first.
-    Preempted sequences go back ahead of everything of their priority."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, int, int, Sequence]] = []
-        self._order = itertools.count()
-        self._front = itertools.count(-1, -1)
-
-    def push(self, seq: Sequence, front: bool = False) -> None:
-        order = next(self._front) if front else next(self._order)
-        heapq.heappush(self._heap, (seq.priority, order, seq.seq_id, seq))
-
-    def peek(self) -> Sequence:
-        return self._heap[0][3]
-
-    def pop(self) -> Sequence:
-        return heapq.heappop(self._heap)[3]
-
-    def remove(self, seq: Sequence) -> bool:
-        for i, item in enumerate(self._heap):
-            if item[3] is seq:
-                self._heap.pop(i)
-                heapq.heapify(self._heap)
-                return True
-        return False
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __iter__(self):
-        return (item[3] for item in self._heap)
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    max_waiting_requests: int = 4096
+    max_waiting_tokens: int | None = None  # None = no bound on queued tokens
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, max_waiting_requests: int, max_waiting_tokens: int | None) -> None:
-        self.block_manager = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.max_waiting_requests = max_waiting_requests
-        self.max_waiting_tokens = max_waiting_tokens
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.beams = Beams(config.eos_token_ids)
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
-        self.num_preemptions = 0
-        self.num_waiting_tokens = 0
-        self.prefix_cache_hit_tokens = 0
-        self.prefix_cache_query_tokens = 0
+        self.requests: dict[str, Request] = {}
+        self.counters = SchedulerStats()
+        self._forks: dict[int, list[Sequence]] = {}  # seq_id -> samples forked once its prompt is computed
 
+    # ---- requests in -------------------------------------------------------------------------
     def check_room(self, num_seqs: int, num_tokens: int) -> None:
         """Raise QueueFullError if `num_seqs` sequences of `num_tokens` tokens would not fit."""
-        if len(self.waiting) + num_seqs > self.max_waiting_requests:
-            raise QueueFullError(f"waiting queue is full ({self.max_waiting_requests} requests)")
-        if self.max_waiting_tokens is not None and \
-                self.num_waiting_tokens + num_seqs * num_tokens > self.max_waiting_tokens:
-            raise QueueFullError(f"waiting queue is full ({self.max_waiting_tokens} tokens)")
+        c = self.config
+        if len(self.waiting) + num_seqs > c.max_waiting_requests:
+            raise QueueFullError(f"waiting queue is full ({c.max_waiting_requests} requests)")
+        if c.max_waiting_tokens is not None and self.waiting.num_tokens + num_seqs * num_tokens > c.max_waiting_tokens:
+            raise QueueFullError(f"waiting queue is full ({c.max_waiting_tokens} tokens)")
+
+    def add_request(self, request: Request, resumed: bool = False) -> None:
+        """Queue a request's sequences. Samples that already diverged (`resumed`) each compute
+        their own tokens (the prefix cache shares them); otherwise only the first computes the
+        prompt and the others fork from it, sharing its blocks."""
+        self.check_room(len(request.sequences) if resumed else 1, len(request.prompt_token_ids))
+        self.requests[request.request_id] = request
+        if request.params.use_beam_search:
+            self.beams.add(request, self.config.max_model_len - len(request.prompt_token_ids))
+        first, *rest = request.sequences
+        for seq in rest if resumed else []:
+            self.add(seq)
+        if rest and not resumed:
+            self._forks[first.seq_id] = rest
+        self.add(first)
 
     def add(self, seq: Sequence) -> None:
+        """Queue one sequence."""
+        seq.status = SeqStatus.WAITING
         self.waiting.push(seq)
-        self.num_waiting_tokens += seq.num_tokens
 
+    def abort_request(self, request_id: str) -> Request | None:
+        """Finish every sequence of a request now; its blocks are free before the next step."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.beams.drop(request)
+        for seq in request.sequences:
+            self._forks.pop(seq.seq_id, None)
+            if not seq.is_finished:
+                self.finish(seq)
+        self.counters.num_requests_aborted += 1
+        return request
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a finished (or aborted) sequence out of the queues and free its blocks."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SeqStatus.FINISHED
+        request = self.requests.get(seq.request_id)
+        if request is not None and request.is_finished:
+            del self.requests[seq.request_id]
+            self.counters.num_requests_finished += 1
+
+    # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         if not out.scheduled:
             self._park_idle(out, budget)
         for item in out.scheduled:
-            if item.samples and item.seq.pending_forks:
-                item.forks = item.seq.pending_forks
+            item.block_ids = self.block_manager.block_table(item.seq)
+            if item.samples:
+                item.forks = self._forks.pop(item.seq.seq_id, [])
         out.block_copies = self.block_manager.take_copies()
+        if out.scheduled:
+            self.counters.record_step(out.scheduled)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -137,21 +146,20 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        bm = self.block_manager
+        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek()
-            cached = self.block_manager.match_prefix(seq)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.block_manager.allocate(seq, num_new):
-                self.block_manager.free(seq)  # give the prefix hits back; retried next step
-                seq.num_computed_tokens = 0
-                break
+            hit = bm.find_cached_prefix(seq)
+            num_new = min(seq.num_tokens - hit.num_tokens, budget)
+            if not bm.allocate(seq, num_new, hit):
+                break  # retried next step
+            seq.num_computed_tokens = hit.num_tokens
             if seq.num_preemptions == 0:
-                seq.num_cached_tokens = cached
-            if self.block_manager.enable_prefix_caching:
-                self.prefix_cache_query_tokens += seq.num_prompt_tokens
-                self.prefix_cache_hit_tokens += min(cached, seq.num_prompt_tokens)
+                seq.num_cached_tokens = hit.num_tokens
+            if bm.enable_prefix_caching:
+                self.counters.prefix_cache_query_tokens += seq.num_prompt_tokens
+                self.counters.prefix_cache_hit_tokens += min(hit.num_tokens, seq.num_prompt_tokens)
             self.waiting.pop()
-            self.num_waiting_tokens -= seq.num_tokens
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
@@ -171,26 +179,118 @@ class Scheduler:
                 return
 
     def _preempt(self, seq: Sequence) -> None:
+        idle = seq.num_computed_tokens == seq.num_tokens  # its next token comes from elsewhere
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
-        seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
-        self.num_preemptions += 1
-        if seq.beam_logprobs is not None:
-            return  # parked: a beam needs no recompute until the beam step picks it again
+        self.counters.num_preemptions += 1
+        if idle:
+            seq.status = SeqStatus.PARKED  # no recompute until the beam step extends it
+            return
+        seq.status = SeqStatus.WAITING
         self.waiting.push(seq, front=True)
-        self.num_waiting_tokens += seq.num_tokens
 
-    def start_running(self, seq: Sequence) -> None:
+    # ---- after the model ---------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, model_output: tuple[list[Sequence], SamplerOutput | None]
+                           ) -> EngineCoreOutputs:
+        """Advance the step's sequences by what the model computed and sampled."""
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(item.seq)
+            for child in item.forks:  # parallel samples start from the computed prompt's blocks
+                self.block_manager.fork(item.seq, child)
+                self._start_running(child, item.seq.num_computed_tokens)
+        sampled, result = model_output
+        core = EngineCoreOutputs()
+        beam_requests: dict[str, Request] = {}
+        for i, seq in enumerate(sampled):
+            assert result is not None
+            if seq.params.use_beam_search:
+                self.beams.record(seq, result.beam_logprobs[i])
+                beam_requests[seq.request_id] = self.requests[seq.request_id]
+            else:
+                core.updates.append(self._append_token(seq, result.token_ids[i], result.logprobs[i]))
+        for request in beam_requests.values():
+            self._step_beams(request, core)
+        return core
+
+    def _start_running(self, seq: Sequence, num_computed_tokens: int) -> None:
         """A sequence forked from a running one joins the running set directly."""
+        seq.num_computed_tokens = num_computed_tokens
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
 
-    def finish(self, seq: Sequence) -> None:
-        """Take a finished (or aborted) sequence out of the queues and free its blocks."""
-        if seq.status is SeqStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is SeqStatus.WAITING and self.waiting.remove(seq):
-            self.num_waiting_tokens -= seq.num_tokens
-        self.block_manager.free(seq)
-        seq.status = SeqStatus.FINISHED
+    def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> SeqUpdate:
+        seq.token_ids.append(token)
+        self.counters.generation_tokens += 1
+        update = SeqUpdate(seq, token, logprobs)
+        reason = finish_reason_after(seq, token, None, self.config.eos_token_ids, self.config.max_model_len)
+        if reason is not None:
+            update.finish_reason, update.stop_reason = reason
+            self.finish(seq)
+        return update
+
+    def _step_beams(self, request: Request, core: EngineCoreOutputs) -> None:
+        step = self.beams.advance(request)
+        if step is None:
+            return
+        if step.selection is None:
+            core.beam_results.append(self.beams.result(request))
+            for seq in request.sequences:
+                self.finish(seq)
+            return
+        request.sequences = self._continue_beams(request.sequences, step.selection)
+
+    def _continue_beams(self, beams: list[Sequence], selection: Selection) -> list[Sequence]:
+        """The first continuation of a parent reuses its sequence; further ones fork it (shared
+        KV blocks, copy-on-write). Beams that no continuation extends are finished."""
+        used: set[int] = set()
+        children: list[Sequence] = []
+        for parent_index in selection.parents:
+            parent = beams[parent_index]
+            if parent_index in used:
+                children.append(self._fork_beam(parent))
+            else:
+                used.add(parent_index)
+                children.append(parent)
+        for i, seq in enumerate(beams):
+            if i not in used:
+                self.finish(seq)
+        for index, (child, token) in enumerate(zip(children, selection.tokens)):
+            child.token_ids.append(token)
+            child.index = index
+            if child.status is not SeqStatus.RUNNING:  # parked, or forked from a parked parent
+                self.add(child)
+        return children
+
+    def _fork_beam(self, parent: Sequence) -> Sequence:
+        child = parent.sibling(parent.index)
+        if parent.status is SeqStatus.RUNNING:
+            self.block_manager.fork(parent, child)
+            self._start_running(child, parent.num_computed_tokens)
+        # else the parent was parked: the child recomputes (the prefix cache shares its blocks)
+        return child
+
+    # ---- introspection -----------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def admission_capacity(self) -> int:
+        """How many more requests can start soon: none while some already wait, and none while
+        the free blocks would not even give every running sequence one more block."""
+        if len(self.waiting) or self.block_manager.num_free_blocks <= len(self.running):
+            return 0
+        return max(0, min(self.config.max_num_seqs - len(self.running), self.config.max_waiting_requests))
+
+    def stats(self) -> dict[str, Any]:
+        bm = self.block_manager
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "num_requests": len(self.requests),
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "kv_utilization": bm.utilization(self.running),
+            **self.counters.as_dict(),
+        }

@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 
 from streamer import LLM, SamplingParams
-from streamer.block_manager import BlockManager
 from streamer.request import SeqStatus, Sequence
-from streamer.scheduler import Scheduler
+from streamer.scheduler import Scheduler, SchedulerConfig
 from tests.parity import hf_greedy
-from tests.test_block_manager import make_seq
+from tests.test_block_manager import make_seq, model_output, step
 
 MAX_LEN = 48
 UNBOUNDED = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
@@ -74,19 +73,14 @@ def test_blocks_filled_exactly(llama_ckpt: Path) -> None:
 
 # ---- scheduler: preemption and queue order -----------------------------------------------------
 def scheduler(num_blocks: int, max_num_seqs: int = 8) -> Scheduler:
-    bm = BlockManager(num_blocks, block_size=4, enable_prefix_caching=False)
-    return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=1000, max_model_len=1000,
-                     max_waiting_requests=100, max_waiting_tokens=None)
+    return Scheduler(SchedulerConfig(num_blocks, block_size=4, max_model_len=1000, max_num_seqs=max_num_seqs,
+                                     max_num_batched_tokens=1000, enable_prefix_caching=False,
+                                     max_waiting_requests=100))
 
 
 def run_step(sched: Scheduler) -> list[Sequence]:
     """One engine step as the scheduler sees it: compute what was scheduled, sample a token."""
-    out = sched.schedule()
-    for item in out.scheduled:
-        samples = item.samples
-        item.seq.num_computed_tokens += item.num_new_tokens
-        if samples:
-            item.seq.token_ids.append(7)
+    out, _ = step(sched)
     return [item.seq for item in out.scheduled]
 
 
@@ -107,10 +101,9 @@ def test_most_recently_admitted_is_preempted_and_goes_back_to_the_head_of_the_qu
     out = sched.schedule()  # a and b each need a third block, c a second: only 1 is free
     assert out.preempted == [c]
     assert [s.seq for s in out.scheduled] == [a, b]
-    assert c.status is SeqStatus.WAITING and c.num_computed_tokens == 0 and c.block_ids == []
+    assert c.status is SeqStatus.WAITING and c.num_computed_tokens == 0 and sched.block_manager.block_table(c) == []
     assert sched.waiting.peek() is c and len(sched.waiting) == 2
-    for item in out.scheduled:
-        item.seq.num_computed_tokens += item.num_new_tokens
+    sched.update_from_output(out, model_output(out))
     sched.finish(a)
     sched.finish(b)
     assert [s.request_id for s in run_step(sched)] == ["c", "late"]
@@ -127,8 +120,7 @@ def test_preempted_request_is_served_before_later_arrivals_one_at_a_time() -> No
     sched.add(waiter)
     out = sched.schedule()  # a and b each need a second block, only one is free: b is preempted
     assert out.preempted == [b]
-    for item in out.scheduled:
-        item.seq.num_computed_tokens += item.num_new_tokens
+    sched.update_from_output(out, model_output(out))
     sched.finish(a)
     admitted = run_step(sched)
     assert admitted[0] is b

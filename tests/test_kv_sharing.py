@@ -8,7 +8,7 @@ import pytest
 
 from streamer import LLM, SamplingParams
 from streamer.block_manager import BlockManager
-from tests.test_block_manager import make_seq
+from tests.test_block_manager import make_seq, take_prefix
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
 
@@ -62,21 +62,21 @@ def test_eviction_is_lru_with_exact_block_ids():
     a, b = make_seq(4), make_seq(4)
     b.token_ids = [9, 9, 8, 8]
     for seq in (a, b):
-        assert bm.match_prefix(seq) == 0
+        assert take_prefix(bm, seq) == 0
         assert bm.allocate(seq, 4)
         seq.num_computed_tokens = 4
         bm.cache_full_blocks(seq)
-    assert a.block_ids == [0, 1] and b.block_ids == [2, 3]
+    assert bm.block_table(a) == [0, 1] and bm.block_table(b) == [2, 3]
     bm.free(a)  # freed tail first: queue is 4, 5, 1, 0
     bm.free(b)  # then 3, 2
     assert bm.free_block_ids == [4, 5, 1, 0, 3, 2]
     # New blocks come from the least recently freed end; cached ones are evicted only then.
     c = make_seq(6)
     c.token_ids = [7] * 6
-    assert bm.match_prefix(c) == 0 and bm.allocate(c, 6)
-    assert c.block_ids == [4, 5, 1]  # block 1 (a's second block) evicted
+    assert take_prefix(bm, c) == 0 and bm.allocate(c, 6)
+    assert bm.block_table(c) == [4, 5, 1]  # block 1 (a's second block) evicted
     again = make_seq(4)  # a's tokens: its first block is still cached, the second was evicted
-    assert bm.match_prefix(again) == 2 and again.block_ids == [0]
+    assert take_prefix(bm, again) == 2 and bm.block_table(again) == [0]
     assert bm.free_block_ids == [3, 2]
 
 

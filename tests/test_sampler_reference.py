@@ -49,7 +49,7 @@ ALPHA = 1e-3
 def make_seq(params: SamplingParams, prompt: list[int] = PROMPT, output: list[int] = OUTPUT,
              index: int = 0) -> Sequence:
     return Sequence(request_id="r", index=index, token_ids=list(prompt) + list(output),
-                    num_prompt_tokens=len(prompt), params=params, detokenizer=None)
+                    num_prompt_tokens=len(prompt), params=params)
 
 
 def random_logits(seed: int, rows: int = 1, scale: float = 3.0) -> torch.Tensor:

@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import pytest
 
-from streamer.block_manager import BlockManager
 from streamer.errors import QueueFullError
 from streamer.request import SeqStatus, Sequence
-from streamer.scheduler import Scheduler, WaitingQueue
-from tests.test_block_manager import make_seq
+from streamer.scheduler import Scheduler, SchedulerConfig
+from streamer.waiting_queue import WaitingQueue
+from tests.test_block_manager import make_seq, step
 
 BS = 4
 
 
 def make(num_blocks: int = 32, max_num_seqs: int = 8, budget: int = 100, max_waiting: int = 100,
          max_waiting_tokens: int | None = None, caching: bool = False) -> Scheduler:
-    bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching)
-    return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=1000,
-                     max_waiting_requests=max_waiting, max_waiting_tokens=max_waiting_tokens)
+    return Scheduler(SchedulerConfig(num_blocks, BS, max_model_len=1000, max_num_seqs=max_num_seqs,
+                                     max_num_batched_tokens=budget, enable_prefix_caching=caching,
+                                     max_waiting_requests=max_waiting, max_waiting_tokens=max_waiting_tokens))
 
 
 def seq(n: int, name: str = "", first: int = 1, priority: int = 0) -> Sequence:
@@ -28,14 +28,8 @@ def seq(n: int, name: str = "", first: int = 1, priority: int = 0) -> Sequence:
 
 
 def advance(sched: Scheduler) -> list[tuple[str, int]]:
-    """Schedule one step and apply it as the engine would: (request id, tokens) per scheduled row."""
-    out = sched.schedule()
-    for item in out.scheduled:
-        samples = item.samples
-        item.seq.num_computed_tokens += item.num_new_tokens
-        sched.block_manager.cache_full_blocks(item.seq)
-        if samples:
-            item.seq.token_ids.append(7)
+    """One step through the scheduler's own update: (request id, tokens) per scheduled row."""
+    out, _ = step(sched)
     return [(item.seq.request_id, item.num_new_tokens) for item in out.scheduled]
 
 
@@ -73,7 +67,7 @@ def test_waiting_queue_bounds_count_requests_and_tokens() -> None:
     with pytest.raises(QueueFullError, match="10 tokens"):
         sched.check_room(1, 11)
     sched.add(seq(6, "a"))
-    assert sched.num_waiting_tokens == 6
+    assert sched.waiting.num_tokens == 6
     sched.check_room(1, 4)
     with pytest.raises(QueueFullError, match="10 tokens"):
         sched.check_room(1, 5)
@@ -86,13 +80,13 @@ def test_waiting_tokens_are_counted_in_and_out() -> None:
     a, b, c = seq(6, "a"), seq(3, "b", first=20), seq(4, "c", first=40)
     for s in (a, b, c):
         sched.add(s)
-    assert sched.num_waiting_tokens == 13
+    assert sched.waiting.num_tokens == 13
     sched.finish(c)  # aborted while waiting
-    assert sched.num_waiting_tokens == 9 and len(sched.waiting) == 2 and c.status is SeqStatus.FINISHED
+    assert sched.waiting.num_tokens == 9 and len(sched.waiting) == 2 and c.status is SeqStatus.FINISHED
     advance(sched)
-    assert sched.num_waiting_tokens == 0 and not len(sched.waiting)
+    assert sched.waiting.num_tokens == 0 and not len(sched.waiting)
     sched.finish(a)
-    assert a not in sched.running and a.block_ids == [] and a.status is SeqStatus.FINISHED
+    assert a not in sched.running and sched.block_manager.block_table(a) == [] and a.status is SeqStatus.FINISHED
 
 
 def test_preempted_tokens_count_as_waiting_again() -> None:
@@ -102,8 +96,8 @@ def test_preempted_tokens_count_as_waiting_again() -> None:
     sched.add(b)
     advance(sched)  # one block each; both now hold 5 tokens and need a second block
     out = sched.schedule()
-    assert out.preempted == [b] and sched.num_preemptions == 1 and b.num_preemptions == 1
-    assert sched.num_waiting_tokens == b.num_tokens == 5
+    assert out.preempted == [b] and sched.counters.num_preemptions == 1 and b.num_preemptions == 1
+    assert sched.waiting.num_tokens == b.num_tokens == 5
 
 
 def test_prefix_cache_counters_count_prompts_and_hits() -> None:
@@ -116,11 +110,11 @@ def test_prefix_cache_counters_count_prompts_and_hits() -> None:
     sched.add(again)
     advance(sched)
     assert again.num_cached_tokens == 8
-    assert sched.prefix_cache_query_tokens == 20 and sched.prefix_cache_hit_tokens == 8
+    assert sched.counters.prefix_cache_query_tokens == 20 and sched.counters.prefix_cache_hit_tokens == 8
     off = make(caching=False)
     off.add(seq(10, "x"))
     advance(off)
-    assert off.prefix_cache_query_tokens == 0 and off.prefix_cache_hit_tokens == 0
+    assert off.counters.prefix_cache_query_tokens == 0 and off.counters.prefix_cache_hit_tokens == 0
 
 
 def warmed(num_blocks: int) -> Scheduler:
@@ -154,7 +148,8 @@ def test_a_prompt_that_does_not_fit_gives_its_prefix_hits_back() -> None:
     big = seq(14, "big")  # shares the first block; needs 4 blocks of 3
     sched.add(big)
     assert advance(sched) == []
-    assert big.num_computed_tokens == 0 and big.block_ids == [] and sched.block_manager.num_free_blocks == 3
+    bm = sched.block_manager
+    assert big.num_computed_tokens == 0 and bm.block_table(big) == [] and bm.num_free_blocks == 3
     assert sched.waiting.peek() is big
 
 

@@ -18,7 +18,7 @@ def after(token: int, num_outputs: int, stop_str: str | None = None, **params: o
     """The verdict once `token` became output number `num_outputs` (so it is already appended)."""
     outputs = [20] * (num_outputs - 1) + [token]
     seq = Sequence(request_id="r", index=0, token_ids=PROMPT + outputs, num_prompt_tokens=len(PROMPT),
-                   params=SamplingParams(**{"max_tokens": None, **params}), detokenizer=None)
+                   params=SamplingParams(**{"max_tokens": None, **params}))
     return finish_reason_after(seq, token, stop_str, EOS, MAX_LEN)
 
 

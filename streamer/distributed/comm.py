@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from streamer.distributed.parallel_state import TPGroup
-from streamer.model_runner import HEADER_LEN, section_sizes
+from streamer.parallel_state import TPGroup
+from streamer.step import HEADER_LEN, section_sizes
 
 SETUP_TIMEOUT = timedelta(seconds=120)  # connecting the groups, once every rank has started
 IDLE_TIMEOUT = timedelta(days=365)  # ranks > 0 waiting for the next step of an idle engine

@@ -33,10 +33,11 @@ from streamer.distributed.errors import TensorParallelError
 from streamer.distributed.rank_procs import RankProcesses
 from streamer.distributed.worker import ready_key
 from streamer.model_config import ModelConfig
-from streamer.model_runner import ModelRunner, flatten_step, payload_tensor, unflatten_step
+from streamer.model_runner import ModelRunner
 from streamer.request import Sequence
 from streamer.sampler import Sampler, SamplerOutput
-from streamer.scheduler import ScheduledSeq
+from streamer.scheduler_output import ScheduledSeq
+from streamer.step import flatten_step, payload_tensor, unflatten_step
 
 START_TIMEOUT_S = 300.0  # every rank must reach the rendezvous (imports, CUDA init) within this
 STOP_TIMEOUT_S = 10.0

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from streamer.config import EngineConfig
 from streamer.distributed.comm import SETUP_TIMEOUT, connect
 from streamer.model_config import ModelConfig
-from streamer.model_runner import ModelRunner, unflatten_step
+from streamer.model_runner import ModelRunner
+from streamer.step import unflatten_step
 
 
 def _exit_with_parent(parent_pid: int) -> None:

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from streamer.distributed.parallel_state import get_tp_group
 from streamer.layers.cpu_gemm import linear
 from streamer.layers.linear import narrow
+from streamer.parallel_state import get_tp_group
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from streamer.distributed.parallel_state import divide, get_tp_group, get_tp_size
 from streamer.layers.cpu_gemm import linear
+from streamer.parallel_state import divide, get_tp_group, get_tp_size
 
 
 def narrow(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:

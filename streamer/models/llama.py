@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from streamer.attention.backend import AttentionBackend, AttentionMetadata
-from streamer.distributed.parallel_state import get_tp_size
 from streamer.layers.attention import PagedAttention
 from streamer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from streamer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from streamer.layers.rotary import build_cos_sin_cache
+from streamer.parallel_state import get_tp_size
 
 
 class RMSNorm(nn.Module):
