@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import platform
 from functools import cache
 from pathlib import Path
@@ -31,9 +30,7 @@ def _cpu_signature() -> str:
 
 @cache
 def load() -> Any | None:
-    """The compiled module, or None (no compiler, or STREAMER_CPU_KERNELS=0)."""
-    if os.environ.get("STREAMER_CPU_KERNELS", "1") == "0":
-        return None
+    """The compiled module, or None (no compiler)."""
     try:
         from torch.utils.cpp_extension import load as load_extension
 

@@ -14,15 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamer.config import EngineConfig
+from streamer.errors import EngineDeadError
 from streamer.llm_engine import LLMEngine
 from streamer.outputs import RequestOutput
 from streamer.sampling_params import SamplingParams
 
 log = logging.getLogger("streamer.engine")
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop failed; the engine cannot serve more requests."""
 
 
 @dataclass

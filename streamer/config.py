@@ -26,6 +26,8 @@ class EngineConfig:
     max_waiting_tokens: int | None = None  # None = no bound on queued prompt tokens
     kv_cache_memory_gb: float | None = None  # CPU cache size when num_kv_blocks is None (default: min(2 GiB, RAM/4))
     gpu_memory_utilization: float = 0.9
+    cpu_gemm: str = "onednn"  # onednn (weights pre-packed once) | torch (F.linear): CPU linear layers
+    tp_timeout_s: float = 600.0  # a tensor-parallel collective's wait for a stuck rank; bounds weight loading too
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -48,6 +50,8 @@ class EngineConfig:
             (self.attention_backend in ("auto", "cpu", "torch", "triton"),
              "attention_backend must be auto, cpu, torch or triton"),
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
+            (self.cpu_gemm in ("onednn", "torch"), "cpu_gemm must be onednn or torch"),
+            (self.tp_timeout_s > 0, "tp_timeout_s must be positive"),
         ]
         for ok, message in checks:
             if not ok:

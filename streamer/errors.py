@@ -1,4 +1,4 @@
-"""Errors the engine raises to its callers."""
+"""Errors the engine raises to its callers: the engine layer's only error module."""
 
 
 class QueueFullError(RuntimeError):
@@ -7,3 +7,11 @@ class QueueFullError(RuntimeError):
 
 class ConfigError(ValueError):
     """The engine cannot start with these options (a user-fixable mistake, not a bug)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop failed; the engine cannot serve more requests."""
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank died or failed; the engine that owned it cannot run any more."""

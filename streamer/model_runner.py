@@ -43,7 +43,7 @@ class ModelRunner:
             torch.set_default_dtype(torch.float32)
         load_weights(self.model, model_config.path)
         self.model.eval()
-        if device.type == "cpu":
+        if device.type == "cpu" and config.cpu_gemm == "onednn":
             pack_model(self.model, batch_hint=min(config.max_num_seqs, 64))
         # Every rank must hold the same number of blocks: the scheduler in rank 0 hands out ids.
         self.num_kv_blocks = tp_group.all_reduce_min(config.num_kv_blocks or self._blocks_that_fit(), device)

@@ -15,6 +15,7 @@ from kernel_testing import ATTN_TOL, DEVICES, DTYPES, ELEMENTWISE_TOL, query_sta
 from kernels.rotary import rotary_embedding_ref
 from streamer.attention import get_backend
 from streamer.attention.backend import AttentionMetadata
+from streamer.errors import ConfigError
 
 TORCH_DEVICES = ["cpu", DEVICES[1]]
 
@@ -143,5 +144,5 @@ def test_triton_backend_elementwise_methods_match_torch_backend(device: str) -> 
 def test_triton_backend_without_gpu_or_interpreter_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(RuntimeError, match="needs a CUDA GPU.*TRITON_INTERPRET=1"):
+    with pytest.raises(ConfigError, match="needs a CUDA GPU.*TRITON_INTERPRET=1"):
         get_backend("triton", torch.device("cpu"))

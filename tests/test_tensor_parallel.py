@@ -21,9 +21,8 @@ from redis_worker_helpers import NAMES, offline_tokens, tokens_of, wait_for, wor
 
 from clients.redis_client import AsyncClient
 from streamer import LLM, AsyncEngine, EngineConfig, SamplingParams
-from streamer.async_engine import EngineDeadError
-from streamer.distributed.errors import TensorParallelError
 from streamer.distributed.rank_procs import RankProcesses
+from streamer.errors import EngineDeadError, TensorParallelError
 from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
 from tests.parity import hf_greedy
 

@@ -26,10 +26,6 @@ class AttentionMetadata:
     max_seq_len: int
     max_decode_seq_len: int
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
-
 
 class AttentionBackend(ABC):
     """Stateless kernels over per-layer caches `[num_blocks, block_size, num_kv_heads, head_size]`."""

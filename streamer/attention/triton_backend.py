@@ -13,6 +13,7 @@ from kernels.rms_norm_triton import rms_norm
 from kernels.rotary_triton import rotary_embedding
 from kernels.triton_utils import interpreting
 from streamer.attention.backend import AttentionBackend, AttentionMetadata
+from streamer.errors import ConfigError
 
 
 class TritonBackend(AttentionBackend):
@@ -21,8 +22,8 @@ class TritonBackend(AttentionBackend):
     def __init__(self) -> None:
         # Without this, the first launch fails with Triton's "0 active drivers".
         if not interpreting() and not torch.cuda.is_available():
-            raise RuntimeError("attention_backend='triton' needs a CUDA GPU; on CPU use 'torch' (the default), "
-                               "or set TRITON_INTERPRET=1 to run the Triton kernels slowly for testing")
+            raise ConfigError("attention_backend='triton' needs a CUDA GPU; on CPU use 'auto' (the default) or "
+                              "'cpu', or set TRITON_INTERPRET=1 to run the Triton kernels slowly for testing")
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, meta: AttentionMetadata) -> None:

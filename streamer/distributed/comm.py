@@ -11,7 +11,6 @@ several engines, one after another or side by side):
 from __future__ import annotations
 
 import contextlib
-import os
 from datetime import timedelta
 from typing import Any
 
@@ -24,12 +23,6 @@ from streamer.step import HEADER_LEN, section_sizes
 SETUP_TIMEOUT = timedelta(seconds=120)  # connecting the groups, once every rank has started
 IDLE_TIMEOUT = timedelta(days=365)  # ranks > 0 waiting for the next step of an idle engine
 _STEP, _STOP = 1, 0
-
-
-def model_timeout() -> timedelta:
-    """How long a collective inside a step may wait for a rank that is alive but stuck (a dead
-    rank fails it at once). Weight loading of every rank also has to fit in it."""
-    return timedelta(seconds=float(os.environ.get("STREAMER_TP_TIMEOUT_S", "600")))
 
 
 def _gloo(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroupGloo:
@@ -46,16 +39,19 @@ def _nccl(store: dist.Store, rank: int, size: int, timeout: timedelta) -> object
     return dist.ProcessGroupNCCL(store, rank, size, opts)
 
 
-def connect(store: dist.Store, rank: int, size: int, device: torch.device) -> tuple[StepChannel, TPGroup]:
-    """Build both groups (every rank calls this at the same point)."""
+def connect(store: dist.Store, rank: int, size: int, device: torch.device, model_timeout: timedelta
+            ) -> tuple[StepChannel, TPGroup]:
+    """Build both groups (every rank calls this at the same point). `model_timeout`: how long a
+    collective inside a step may wait for a rank that is alive but stuck (a dead rank fails it at
+    once); weight loading of every rank also has to fit in it."""
     control = _gloo(dist.PrefixStore("control", store), rank, size, SETUP_TIMEOUT)
     control.set_timeout(IDLE_TIMEOUT)
     model_store = dist.PrefixStore("model", store)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        model = _nccl(model_store, rank, size, model_timeout())
+        model = _nccl(model_store, rank, size, model_timeout)
     else:
-        model = _gloo(model_store, rank, size, model_timeout())
+        model = _gloo(model_store, rank, size, model_timeout)
     return StepChannel(control), TPGroup(rank, size, model)
 
 

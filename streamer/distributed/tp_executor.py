@@ -21,6 +21,7 @@ import json
 import os
 import time
 import weakref
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,9 @@ import torch.distributed as dist
 
 from streamer.config import EngineConfig
 from streamer.distributed.comm import SETUP_TIMEOUT, abort_group, connect, shutdown_group
-from streamer.distributed.errors import TensorParallelError
 from streamer.distributed.rank_procs import RankProcesses
 from streamer.distributed.worker import ready_key
+from streamer.errors import TensorParallelError
 from streamer.model_config import ModelConfig
 from streamer.model_runner import ModelRunner
 from streamer.request import Sequence
@@ -113,7 +114,7 @@ class TPExecutor:
         try:
             torch.set_num_threads(threads)
             self._wait_for_ranks(store)
-            self.channel, self.group = connect(store, 0, size, self.device)
+            self.channel, self.group = connect(store, 0, size, self.device, timedelta(seconds=config.tp_timeout_s))
             if self.device.type == "cuda":  # (no reference to self: the watchdog outlives it)
                 self.procs.on_failure = functools.partial(abort_group, self.group.pg)
             self.runner = ModelRunner(config, model_config, self.device, sampler, self.group)

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import traceback
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,7 @@ def serve(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     store = dist.TCPStore("127.0.0.1", args.port, args.size, False, timeout=SETUP_TIMEOUT)
     store.set(ready_key(args.rank), "1")
-    channel, group = connect(store, args.rank, args.size, device)
+    channel, group = connect(store, args.rank, args.size, device, timedelta(seconds=config.tp_timeout_s))
     model_config = ModelConfig.load(config.model, config.dtype, device, config.max_model_len)
     runner = ModelRunner(config, model_config, device, None, group)
     while (step := channel.recv()) is not None:

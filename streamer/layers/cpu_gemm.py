@@ -8,7 +8,6 @@ faster in float32 and 1.1x in bfloat16 for the batch sizes of decoding (bench/RE
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +17,8 @@ log = logging.getLogger("streamer.layers")
 
 
 def _available(dtype: torch.dtype) -> bool:
-    return (os.environ.get("STREAMER_CPU_GEMM", "onednn") == "onednn" and torch.backends.mkldnn.is_available()
-            and dtype in (torch.float32, torch.bfloat16) and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    return (torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16)
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 def pack(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
