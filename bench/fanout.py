@@ -37,9 +37,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # bench/kernels.py must not shadow the `kernels` package
 
-from workers.event_writer import EventWriter, Write  # noqa: E402
-from workers.protocol import Names, done_event, token_event  # noqa: E402
+from clients.protocol import Names, done_event, token_event  # noqa: E402
 from workers.redis_server import RedisServer, free_port  # noqa: E402
+from workers.worker.event_writer import EventWriter, Write  # noqa: E402
 
 NAMES = Names()
 

@@ -34,12 +34,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "mutants"  # one scratch tree per module: mutants/<module>/ (its own mutants/ inside)
 
-# Copied into each scratch tree. streamer/ and workers/ are mutmut's source paths (it copies them into
-# its own mutants/ folder and mutates only the module under test there); tests/ and pyproject.toml
-# it copies by itself; docs/ and clients/ are files that tests read. kernels/ is left to the installed
-# package: a copy would rebuild the CPU attention extension (its build depends on the source path).
-SOURCE_PATHS = ("streamer", "workers")
-ALSO_COPY = ("docs", "clients")
+# Copied into each scratch tree. streamer/, workers/ and clients/ are mutmut's source paths (it copies
+# them into its own mutants/ folder and mutates only the module under test there); tests/ and
+# pyproject.toml it copies by itself; docs/ holds files that tests read. kernels/ is left to the
+# installed package: a copy would rebuild the CPU attention extension (its build depends on the
+# source path).
+SOURCE_PATHS = ("streamer", "workers", "clients")
+ALSO_COPY = ("docs",)
 
 # A pytest plugin written into each scratch tree and loaded with -p. (1) It loads the CPU attention
 # extension before mutmut forks a process per mutant; see pytest_configure below.
@@ -102,13 +103,13 @@ TARGETS: dict[str, Target] = {
     # EventWriter is driven directly (batching, waits, acks, dropped connections, cancellation, refusals)
     # by test_redis_contract.py, which also runs a real worker through it. The end-to-end worker files
     # kill nothing more here and cost ~20 s for each mutant that survives.
-    "event_writer": Target("workers/event_writer.py", ("tests/test_redis_contract.py",)),
-    "protocol": Target("workers/protocol.py", WORKER_TESTS),
+    "event_writer": Target("workers/worker/event_writer.py", ("tests/test_redis_contract.py",)),
+    "protocol": Target("clients/protocol.py", WORKER_TESTS),
     # resume.py is a pure fold of an events stream, checked case by case in test_protocol.py. The worker
     # files call it for every job, and under the fork server a mutant's tests run in no set order: a
     # worker test that goes first waits out its own timeouts (the mutant then ends as a "timeout" and
     # leaves its redis-server behind) where the fold's own test fails in a millisecond.
-    "resume": Target("workers/resume.py", ("tests/test_protocol.py",)),
+    "resume": Target("clients/resume.py", ("tests/test_protocol.py",)),
 }
 
 # mutmut's exit-code verdicts, folded into the table's columns. A crash (SIGKILL at the CPU limit,

@@ -18,18 +18,11 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from workers.backoff import TRANSIENT, Backoff
-from workers.protocol import Names, decode_event, encode_job, event_stream_id
+from clients.backoff import TRANSIENT, Backoff, retry
+from clients.errors import RequestFailed
+from clients.protocol import Names, decode_event, encode_job, event_stream_id
 
 log = logging.getLogger("streamer.client")
-
-
-class RequestFailed(RuntimeError):
-    """The worker answered the request with an `error` event."""
-
-    def __init__(self, request_id: str, code: str, message: str) -> None:
-        super().__init__(f"request {request_id} failed: {code}: {message}")
-        self.request_id, self.code, self.message = request_id, code, message
 
 
 @dataclass
@@ -105,7 +98,7 @@ class AsyncClient:
         fields = encode_job(job, self.encoding)
         # Safe to retry: if a lost reply hides a first XADD that worked, the second copy carries the
         # same id and is refused by the worker as a duplicate.
-        await self._retrying("submit", lambda: self.redis.xadd(self.names.requests, fields))
+        await retry("submit", log, lambda: self.redis.xadd(self.names.requests, fields), self.retry_s)
         return request_id
 
     async def stream(self, request_id: str, after_seq: int = -1,
@@ -154,18 +147,7 @@ class AsyncClient:
                 pipe.publish(self.names.cancel, request_id)
                 await pipe.execute()
 
-        await self._retrying("cancel", send)
-
-    async def _retrying(self, what: str, call: Any) -> Any:
-        backoff = Backoff(what, log)
-        deadline = time.monotonic() + self.retry_s
-        while True:
-            try:
-                return await call()
-            except TRANSIENT as e:
-                if time.monotonic() > deadline:
-                    raise
-                await backoff.sleep(e)
+        await retry("cancel", log, send, self.retry_s)
 
 
 class Client:

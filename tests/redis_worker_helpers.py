@@ -13,10 +13,11 @@ from typing import Any
 import anyio
 import redis
 
+from clients.protocol import Names, decode_event, seq_of_stream_id
 from streamer import LLM, AsyncEngine, EngineConfig, SamplingParams
 from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
-from workers.protocol import Names, decode_event, seq_of_stream_id
-from workers.redis_worker import Worker, WorkerConfig
+from workers.worker.config import WorkerConfig
+from workers.worker.redis_worker import Worker
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = Names()

@@ -11,7 +11,7 @@ from playwright.async_api import Page, async_playwright
 from redis_worker_helpers import read_events, running_worker, tokens_of, wait_for
 from test_gateway import config
 
-from workers.gateway import running_gateway
+from workers.gateway.server import running_gateway
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]

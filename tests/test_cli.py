@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.bench_cmd import scripts as bench_scripts
-from workers.cli import COMMANDS, apply_env_defaults, command_parser, env_name, env_table, main, option_actions
+from workers.cli.bench_cmd import scripts as bench_scripts
+from workers.cli.main import COMMANDS, apply_env_defaults, command_parser, env_name, env_table, main, option_actions
 from workers.errors import UserError
 from workers.redis_server import free_port
 
@@ -59,7 +59,7 @@ def test_every_command_has_help_with_env_names(name: str) -> None:
 
 
 def test_help_does_not_import_the_engine() -> None:
-    code = ("import sys; from workers.cli import main\n"
+    code = ("import sys; from workers.cli.main import main\n"
             "try: main(['--help'])\nexcept SystemExit: pass\n"
             "assert not any(m == 'torch' or m.startswith('workers.worker') for m in sys.modules), "
             "sorted(m for m in sys.modules if 'torch' in m or 'worker' in m)")
@@ -136,7 +136,7 @@ def test_a_variable_shared_by_commands_means_the_same_to_each() -> None:
 
 def test_readme_documents_every_environment_variable() -> None:
     """The README's configuration table is `env_table()` verbatim (regenerate it when options change:
-    python3 -c "from workers.cli import env_table; print(env_table())")."""
+    python3 -c "from workers.cli.main import env_table; print(env_table())")."""
     assert env_table() in (ROOT / "README.md").read_text(), \
         "README.md's configuration table is out of date: replace it with the output of env_table()"
 
@@ -194,7 +194,7 @@ def test_errors_inside_exception_groups_are_explained() -> None:
     except ImportError:  # Python 3.10: the backport anyio depends on
         from exceptiongroup import ExceptionGroup
 
-    from workers.cli import explain
+    from workers.cli.main import explain
 
     group = ExceptionGroup("tasks", [ValueError("x"), ExceptionGroup("inner", [redis.ConnectionError("down")])])
     assert "cannot reach Redis at redis://:***@h:1/0" in explain(group, "redis://:secret@h:1/0")

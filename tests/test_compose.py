@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from workers.cli import ENV_PREFIX, command_parser, env_name, option_actions
+from workers.cli.main import ENV_PREFIX, command_parser, env_name, option_actions
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose.yaml"
-# Variables read outside argparse (workers/default_model.py, workers/cli.py).
+# Variables read outside argparse (workers/default_model.py, workers/cli/main.py).
 GLOBAL_ENV = {"STREAMER_CACHE", "STREAMER_DEBUG"}
 
 
@@ -113,7 +113,7 @@ def test_gateway_port_and_healthcheck(compose: dict) -> None:
 
 def test_empty_model_means_the_default_model(tmp_path: Path) -> None:
     """compose passes `${MODEL:-}` through as an empty STREAMER_MODEL: that must not be a path."""
-    code = ("from workers.cli import command_parser; "
+    code = ("from workers.cli.main import command_parser; "
             "print(repr(command_parser('worker').parse_args([]).model))")
     env = {"STREAMER_MODEL": "", "PATH": "", "HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -151,8 +151,8 @@ def test_the_image_install_has_the_cli_and_the_chat_page(tmp_path: Path) -> None
                     "-w", str(tmp_path / "dist"), str(context)], check=True, timeout=300, capture_output=True)
     wheel = zipfile.ZipFile(next((tmp_path / "dist").glob("streamer-*.whl")))
     names = set(wheel.namelist())
-    for needed in ("workers/cli.py", "workers/up.py", "workers/default_model.py", "streamer/llm.py",
+    for needed in ("workers/cli/main.py", "workers/cli/up.py", "workers/default_model.py", "streamer/llm.py",
                    "kernels/__init__.py", "clients/web/index.html", "clients/web/streamer-client.js"):
         assert needed in names, needed
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
-    assert "streamer = workers.cli:main" in wheel.read(entry_points).decode()
+    assert "streamer = workers.cli.main:main" in wheel.read(entry_points).decode()

@@ -24,9 +24,10 @@ from websockets.frames import Close
 from websockets.protocol import State
 from websockets.uri import parse_uri
 
-from workers.gateway import GatewayConfig, running_gateway
-from workers.gateway_session import CLOSE_SLOW_CONSUMER
-from workers.protocol import Names, decode_job, done_event, encode, event_stream_id, token_event
+from clients.protocol import Names, decode_job, done_event, encode, event_stream_id, token_event
+from workers.gateway.config import GatewayConfig
+from workers.gateway.server import running_gateway
+from workers.gateway.session import CLOSE_SLOW_CONSUMER
 from workers.redis_server import RedisServer
 
 NAMES = Names()

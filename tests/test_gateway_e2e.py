@@ -26,10 +26,10 @@ from test_gateway import (
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
+from clients.protocol import token_event
 from streamer import SamplingParams
-from workers.gateway import running_gateway
-from workers.gateway_session import CLOSE_SLOW_CONSUMER
-from workers.protocol import token_event
+from workers.gateway.server import running_gateway
+from workers.gateway.session import CLOSE_SLOW_CONSUMER
 
 GREEDY = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 LONG = {"max_tokens": 900, "temperature": 0.0, "ignore_eos": True}  # seconds of work: time to cancel

@@ -1,4 +1,4 @@
-"""Wire format (workers/protocol.py): decoding of untrusted jobs, event ids, resume folding."""
+"""Wire format (clients/protocol.py): decoding of untrusted jobs, event ids, resume folding."""
 
 import json
 
@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.protocol import (
+from clients.errors import ProtocolError
+from clients.protocol import (
     Limits,
-    ProtocolError,
     decode_event,
     decode_job,
     done_event,
@@ -20,7 +20,7 @@ from workers.protocol import (
     seq_of_stream_id,
     token_event,
 )
-from workers.resume import resume_state
+from clients.resume import resume_state
 
 
 def job_fields(obj, encoding="json"):

@@ -24,9 +24,9 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
 from redis_worker_helpers import NAMES, check_complete, dead_letters, read_events, running_worker
 
+from clients.protocol import decode_message, done_event, encode, token_event
 from clients.redis_client import AsyncClient
-from workers.event_writer import EventWriter, Write
-from workers.protocol import decode_message, done_event, encode, token_event
+from workers.worker.event_writer import EventWriter, Write
 
 TTL_MS = 60_000
 # Published by the test after everything under test: Redis delivers a connection's messages in the

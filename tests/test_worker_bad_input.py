@@ -7,8 +7,8 @@ import pytest
 import redis
 from redis_worker_helpers import check_complete, dead_letters, read_events, running_worker, tokens_of, wait_for
 
+from clients.protocol import Names
 from clients.redis_client import AsyncClient
-from workers.protocol import Names
 
 GOOD = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 

@@ -21,9 +21,9 @@ from redis_worker_helpers import (
     worker_process,
 )
 
+from clients.protocol import Names, decode_job
 from clients.redis_client import AsyncClient
 from streamer import SamplingParams
-from workers.protocol import Names, decode_job
 from workers.redis_server import RedisServer
 
 LONG = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}

@@ -23,9 +23,10 @@ from redis_worker_helpers import (
     wait_for,
 )
 
-from clients.redis_client import AsyncClient, Client, RequestFailed
+from clients.errors import RequestFailed
+from clients.protocol import Names, decode_message
+from clients.redis_client import AsyncClient, Client
 from streamer import LLM, SamplingParams
-from workers.protocol import Names, decode_message
 
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 

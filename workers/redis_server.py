@@ -12,11 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workers.errors import UserError
-
-
-class RedisNotFound(UserError, RuntimeError):
-    pass
+from workers.errors import RedisNotFound
 
 
 def free_port() -> int:

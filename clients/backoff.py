@@ -1,9 +1,16 @@
-"""Reconnect pacing for Redis loops: exponential backoff with jitter, reset after a success."""
+"""Reconnect pacing for Redis loops: exponential backoff with jitter, reset after a success.
+
+Shared by the client and by the server side (worker, gateway): a dropped or restarting Redis is
+retried the same way everywhere.
+"""
 
 from __future__ import annotations
 
 import logging
 import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import anyio
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -11,6 +18,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 # What a dropped or restarting Redis raises; anything else is a bug and must surface.
 TRANSIENT = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, OSError)
+
+T = TypeVar("T")
 
 
 class Backoff:
@@ -30,3 +39,18 @@ class Backoff:
         self.log.log(level, "%s: Redis unavailable (%s: %s), retry %d in %.2fs", self.name,
                      type(error).__name__, error, self.failures, delay)
         await anyio.sleep(delay)
+
+
+async def retry(what: str, logger: logging.Logger, call: Callable[[], Awaitable[T]],
+                give_up_after_s: float | None = None) -> T:
+    """`await call()` until it returns, backing off after each transient Redis error. With
+    `give_up_after_s`, the first error after that many seconds is raised instead."""
+    backoff = Backoff(what, logger)
+    deadline = None if give_up_after_s is None else time.monotonic() + give_up_after_s
+    while True:
+        try:
+            return await call()
+        except TRANSIENT as e:
+            if deadline is not None and time.monotonic() > deadline:
+                raise
+            await backoff.sleep(e)

@@ -1,57 +1,76 @@
 """The `streamer` command: `up`, `worker`, `gateway`, `generate`, `bench`.
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`.
-Modules are imported only when their command runs, so `streamer --help` is instant and one broken
-module does not take the others down. Every option can also come from the environment as
-`STREAMER_<DEST>` (e.g. `--num-kv-blocks` -> `STREAMER_NUM_KV_BLOCKS`); a flag on the command
-line wins over the environment. Mistakes a user can fix are printed as one line, no traceback
-(see workers/errors.py; STREAMER_DEBUG=1 shows the traceback anyway).
+Modules are imported only when their command runs (the imports inside the `_load_*` functions), so
+`streamer --help` is instant and one broken module does not take the others down. Every option can
+also come from the environment as `STREAMER_<DEST>` (e.g. `--num-kv-blocks` ->
+`STREAMER_NUM_KV_BLOCKS`); a flag on the command line wins over the environment. Mistakes a user
+can fix are printed as one line, no traceback (see workers/errors.py; STREAMER_DEBUG=1 shows the
+traceback anyway).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import shlex
-import signal
 import sys
-import threading
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
 
-from workers.errors import (  # noqa: F401  (re-exported for command modules)
-    ModelNotFound,
-    PortInUse,
-    RedisUnavailable,
-    UnsupportedModel,
-    UserError,
-    friendly_message,
-)
+from workers.cli.parent import exit_with_parent
+from workers.errors import UserError, friendly_message
 
 ENV_PREFIX = "STREAMER_"
-# Set by `streamer up` for its children (not an option: no STREAMER_ prefix).
-PARENT_PID_ENV = "_STREAMER_PARENT_PID"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
+def _load_up() -> ModuleType:
+    from workers.cli import up
+
+    return up
+
+
+def _load_worker() -> ModuleType:
+    from workers.worker import command
+
+    return command
+
+
+def _load_gateway() -> ModuleType:
+    from workers.gateway import command
+
+    return command
+
+
+def _load_generate() -> ModuleType:
+    from workers.cli import generate_cmd
+
+    return generate_cmd
+
+
+def _load_bench() -> ModuleType:
+    from workers.cli import bench_cmd
+
+    return bench_cmd
+
+
 @dataclass(frozen=True)
 class Command:
-    module: str
+    load: Callable[[], ModuleType]  # imports the command's module: add_arguments(parser), run(args)
     summary: str
 
 
 COMMANDS: dict[str, Command] = {
-    "up": Command("workers.up", "run everything on this machine (Redis, a worker, the gateway) "
-                                "and print the chat page URL"),
-    "worker": Command("workers.worker", "serve jobs from the Redis stream with the engine"),
-    "gateway": Command("workers.gateway", "WebSocket gateway and browser chat page in front of Redis"),
-    "generate": Command("workers.generate_cmd", "send one prompt through Redis and stream the answer "
-                                                "to the terminal"),
-    "bench": Command("workers.bench_cmd", "run a benchmark script from bench/ (arguments pass through)"),
+    "up": Command(_load_up, "run everything on this machine (Redis, a worker, the gateway) "
+                            "and print the chat page URL"),
+    "worker": Command(_load_worker, "serve jobs from the Redis stream with the engine"),
+    "gateway": Command(_load_gateway, "WebSocket gateway and browser chat page in front of Redis"),
+    "generate": Command(_load_generate, "send one prompt through Redis and stream the answer "
+                                        "to the terminal"),
+    "bench": Command(_load_bench, "run a benchmark script from bench/ (arguments pass through)"),
 }
 # Commands whose --model, when not given, means the built-in default model.
 _DEFAULT_MODEL_COMMANDS = {"worker"}
@@ -93,7 +112,7 @@ def top_parser() -> argparse.ArgumentParser:
 
 def load_command(name: str) -> ModuleType:
     try:
-        return importlib.import_module(COMMANDS[name].module)
+        return COMMANDS[name].load()
     except ImportError as exc:
         raise UserError(f"`streamer {name}` is not available: {exc} (reinstall streamer: "
                         "`pip install -e .` in the source checkout)") from exc
@@ -222,21 +241,6 @@ def explain(exc: BaseException, redis_url: str | None = None) -> str | None:
         if msg is not None:
             return msg
     return None
-
-
-def exit_with_parent() -> None:
-    """In a child of `streamer up`: shut down cleanly (SIGTERM to ourselves) if `up` dies without
-    stopping us, e.g. on SIGKILL, so that no worker or gateway is left running on its own."""
-    pid = os.environ.pop(PARENT_PID_ENV, "")
-    if not pid.isdigit():
-        return
-
-    def watch() -> None:
-        while os.getppid() == int(pid):
-            time.sleep(0.5)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def _fail(prog: str, msg: str) -> int:

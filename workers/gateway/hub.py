@@ -4,7 +4,7 @@ One pub/sub connection serves every request of the process (SUBSCRIBE per `token
 someone watches it). Pub/sub is fast but lossy (a reader that subscribed late, a dropped connection), so
 the events stream `events:{id}` is the source of truth: a `Watch` delivers `seq` 0, 1, 2 ... exactly once,
 reading the stream to fill any gap (resume, a missed message, an idle watch, a Redis reconnect).
-Event ids in the stream are `0-(seq+1)` (workers.protocol.event_stream_id), so a fill starts at its seq.
+Event ids in the stream are `0-(seq+1)` (clients.protocol.event_stream_id), so a fill starts at its seq.
 """
 
 from __future__ import annotations
@@ -18,23 +18,15 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from workers.backoff import TRANSIENT, Backoff
-from workers.gateway_metrics import Metrics
-from workers.protocol import (
-    Names,
-    ProtocolError,
-    decode_message,
-    decode_payload,
-    encode_job,
-    event_stream_id,
-    split_fields,
-)
+from clients.backoff import TRANSIENT, Backoff
+from clients.errors import ProtocolError
+from clients.protocol import Names, decode_message, decode_payload, encode_job, event_stream_id, split_fields
+from workers.gateway.metrics import Metrics
+from workers.gateway.watch import Watch
 
 log = logging.getLogger("streamer.gateway")
 
-FINAL_TYPES = ("done", "error")
 _FILL_BATCH = 256
-_MAX_OUT_OF_ORDER = 1024  # events held while a gap is filled; past this the stream read covers them
 
 
 def _json_text(event: dict[str, Any], raw: bytes, encoding: str) -> str:
@@ -42,44 +34,6 @@ def _json_text(event: dict[str, Any], raw: bytes, encoding: str) -> str:
     if encoding == "json":
         return raw.decode("utf-8")
     return json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-
-
-class Watch:
-    """One reader of one request's events. `on_event(event, json_text)` sees each seq once, in order."""
-
-    def __init__(self, hub: Hub, request_id: str, next_seq: int,
-                 on_event: Callable[[dict[str, Any], str], None]) -> None:
-        self.hub, self.request_id, self.next_seq, self.on_event = hub, request_id, next_seq, on_event
-        self.channel = hub.names.tokens(request_id)
-        self.held: dict[int, tuple[dict[str, Any], str]] = {}
-        self.finished = False
-        self.closed = False
-        self.last_activity = time.monotonic()
-        self.filling = False
-        self.fill_again = False
-        self.quiet_polls = 0  # idle-poll reads in a row that found nothing: the next one waits longer
-
-    def offer(self, event: dict[str, Any], text: str) -> None:
-        seq = event.get("seq")
-        if self.closed or not isinstance(seq, int) or seq < self.next_seq:
-            return  # a duplicate (pub/sub and stream both carry every event)
-        if seq > self.next_seq:  # a gap: hold this one and read the missing ones from the stream
-            if len(self.held) < _MAX_OUT_OF_ORDER:
-                self.held[seq] = (event, text)
-            self.hub.fill_soon(self)
-            return
-        self._deliver(event, text)
-        while not self.closed and self.next_seq in self.held:
-            self._deliver(*self.held.pop(self.next_seq))
-
-    def _deliver(self, event: dict[str, Any], text: str) -> None:
-        self.next_seq += 1
-        self.last_activity = time.monotonic()
-        self.quiet_polls = 0
-        if event.get("type") in FINAL_TYPES:
-            self.finished = True
-            self.hub.unwatch(self)
-        self.on_event(event, text)
 
 
 class Hub:
@@ -185,7 +139,7 @@ class Hub:
                     on_event: Callable[[dict[str, Any], str], None]) -> Watch:
         """Start relaying. Returns once the subscription is live, so nothing published after this returns
         is missed; what was published before is read with `fill` (a resume)."""
-        w = Watch(self, request_id, next_seq, on_event)
+        w = Watch(self, request_id, self.names.tokens(request_id), next_seq, on_event)
         self.watches.setdefault(w.channel, set()).add(w)
         try:
             await self._sync(w.channel)

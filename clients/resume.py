@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.protocol import decode_event, seq_of_stream_id
+from clients.protocol import decode_event, seq_of_stream_id
 
 
 @dataclass

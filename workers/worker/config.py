@@ -7,7 +7,7 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 
-from workers.protocol import Limits, Names
+from clients.protocol import Limits, Names
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""`streamer worker`: serve jobs from the Redis stream with the engine (workers/redis_worker.py).
+"""`streamer worker`: serve jobs from the Redis stream with the engine (redis_worker.py).
 
 Every engine option (`EngineConfig` field) is a flag, built from the dataclass so none is missed.
 SIGTERM or Ctrl-C: stop reading, finish in-flight jobs within --grace seconds, then exit; a second
@@ -15,7 +15,12 @@ import types
 import typing
 from typing import Any
 
-from workers.protocol import Limits, Names
+import anyio
+
+from clients.protocol import Limits
+from streamer import EngineConfig
+from workers.redis_options import add_redis_arguments, check_redis, names_from_args
+from workers.worker.config import WorkerConfig
 
 # Short aliases for the options people type most.
 _ALIASES = {"tensor_parallel_size": ["--tp"]}
@@ -51,8 +56,6 @@ def _flag_type(tp: Any) -> tuple[Any, bool]:
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field (`--model` required)."""
-    from streamer import EngineConfig
-
     group = parser.add_argument_group("engine")
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
@@ -69,24 +72,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                                help=_HELP.get(f.name, f"engine option {f.name}"))
 
 
-def engine_config(args: argparse.Namespace) -> Any:
-    from streamer import EngineConfig
-
+def engine_config(args: argparse.Namespace) -> EngineConfig:
     names = [f.name for f in dataclasses.fields(EngineConfig)]
     return EngineConfig.from_kwargs(**{name: getattr(args, name) for name in names})
-
-
-def add_redis_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared by everything that speaks the protocol (worker, generate)."""
-    parser.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL")
-    parser.add_argument("--prefix", default="llm", help="prefix of every Redis name")
-    parser.add_argument("--requests-stream", default="", help="requests stream (default PREFIX:requests)")
-    parser.add_argument("--cancel-channel", default="", help="cancel channel (default PREFIX:cancel)")
-
-
-def names_from_args(args: argparse.Namespace) -> Names:
-    return Names(prefix=args.prefix, requests=args.requests_stream, cancel=args.cancel_channel,
-                 group=getattr(args, "group", ""), dead=getattr(args, "dead_stream", ""))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,38 +94,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
 
 
-def worker_config(args: argparse.Namespace) -> Any:
-    from workers.redis_worker import WorkerConfig
-
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(redis_url=args.redis, names=names_from_args(args),
                         limits=Limits(max_payload_bytes=args.max_payload_bytes), consumer=args.consumer,
                         events_ttl_s=args.events_ttl, claim_idle_s=args.claim_idle,
                         max_deliveries=args.max_deliveries, grace_s=args.grace, model_name=args.model)
 
 
-async def check_redis(url: str) -> None:
-    """Fail fast with a one-line message when Redis is not there at start (later drops are retried)."""
-    from redis.asyncio import Redis
-    from redis.exceptions import ConnectionError as RedisConnectionError
-
-    from workers.errors import RedisUnavailable, redis_hint
-
-    client = Redis.from_url(url, socket_connect_timeout=3)
-    try:
-        await client.ping()
-    except (RedisConnectionError, OSError) as e:
-        raise RedisUnavailable(redis_hint(url)) from e
-    finally:
-        await client.aclose()
-
-
 async def serve(args: argparse.Namespace) -> None:
-    import anyio
-
+    # The engine (torch) loads only when a worker really starts, not for `--help`.
     from streamer import AsyncEngine
-    from workers.redis_worker import Worker
+    from workers.worker.redis_worker import Worker
 
-    await check_redis(args.redis)
     async with AsyncEngine(engine_config(args)) as engine:
         worker = Worker(engine, worker_config(args))
         async with anyio.create_task_group() as tg:
@@ -158,20 +126,8 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import anyio
-
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_redis(args.redis)
     anyio.run(serve, args, backend="asyncio")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m workers.worker ...` (same as `streamer worker ...`)."""
-    from workers.cli import main as cli_main
-
-    return cli_main(["worker", *(argv if argv is not None else __import__("sys").argv[1:])])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

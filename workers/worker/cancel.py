@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import logging
-import time
 
-from workers.backoff import TRANSIENT, Backoff
-from workers.worker_state import WorkerState, as_str
+from redis.asyncio import Redis
+
+from clients.backoff import TRANSIENT, Backoff
+from clients.protocol import Names
+from workers.worker.engine import Engine
+from workers.worker.state import WorkerState, as_str
 
 log = logging.getLogger("streamer.worker")
 
 
-class CancelHandling(WorkerState):
+class CancelListener:
     """Cancels arrive by pub/sub here, and from the cancel markers the heartbeat finds."""
 
-    async def _cancel_loop(self) -> None:
+    def __init__(self, redis: Redis, names: Names, engine: Engine, state: WorkerState) -> None:
+        self.redis, self.names, self.engine, self.state = redis, names, engine, state
+
+    async def listen(self) -> None:
         backoff = Backoff("cancel listener", log)
         while True:
             try:
@@ -28,11 +34,8 @@ class CancelHandling(WorkerState):
                 await backoff.sleep(e)
 
     def cancel(self, request_id: str) -> None:
-        if request_id in self._running:
+        if request_id in self.state.running:
             log.info("request %s: cancelled", request_id)
             self.engine.abort(request_id)
-            return
-        # Maybe read but not yet running here: remember it for a while (bounded).
-        self._cancelled[request_id] = time.monotonic()
-        while len(self._cancelled) > 10_000:
-            self._cancelled.popitem(last=False)
+        else:  # maybe read but not yet running here
+            self.state.remember_cancel(request_id)

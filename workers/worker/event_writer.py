@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import anyio
 from redis.asyncio import Redis
 
-from workers.backoff import TRANSIENT, Backoff
-from workers.protocol import Names, encode, event_stream_id
+from clients.backoff import TRANSIENT, Backoff
+from clients.protocol import Names, encode, event_stream_id
 
 log = logging.getLogger("streamer.worker")
 

@@ -35,9 +35,6 @@ class Metrics:
     def inc(self, name: str, by: float = 1) -> None:
         self.values[name] += by
 
-    def dec(self, name: str, by: float = 1) -> None:
-        self.values[name] -= by
-
     def render(self, prefix: str = "streamer_gateway_") -> str:
         lines: list[str] = []
         for name, (kind, help_text) in _METRICS.items():

@@ -1,95 +1,100 @@
 """One job on the Redis worker: checks, admission into the engine, and engine outputs relayed as events.
 
-Each job runs in its own task (started by workers/worker_intake.py) that owns its engine stream; the
-task is cancelled, not answered, when this worker loses the job (shutdown, taken over), so another
-worker resumes it.
+Each job runs in its own task (started by intake.py) that owns its engine stream; the task is
+cancelled, not answered, when this worker loses the job (shutdown, taken over), so another worker
+resumes it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import anyio
 
-from streamer import SamplingParams
+from clients.errors import ProtocolError
+from clients.protocol import done_event, token_event
+from clients.resume import ResumeState
+from streamer import RequestOutput, SamplingParams
 from streamer.async_engine import EngineDeadError
 from streamer.errors import QueueFullError
-from workers.protocol import ProtocolError, done_event, token_event
-from workers.resume import ResumeState
-from workers.worker_answers import Answers
-from workers.worker_state import Delivery, RunningJob
+from workers.worker.answers import Answers
+from workers.worker.config import WorkerConfig
+from workers.worker.engine import Engine
+from workers.worker.state import Delivery, RunningJob, WorkerState
 
 log = logging.getLogger("streamer.worker")
+OutputStream = AsyncGenerator[RequestOutput, None]
 
 
-class JobRunner(Answers):
+class JobRunner:
     """The task of one job, from its checks to its last event (answered through `Answers`)."""
 
-    async def _job_task(self, d: Delivery) -> None:
+    def __init__(self, engine: Engine, config: WorkerConfig, state: WorkerState, answers: Answers) -> None:
+        self.engine, self.cfg, self.state, self.answers = engine, config, state, answers
+
+    async def run(self, d: Delivery) -> None:
+        """The task of one delivery (intake started it after `WorkerState.job_read`)."""
         admitted = [False]
         try:
             if d.error is not None:
-                await self._reject(d, d.error)
+                await self.answers.reject(d, d.error)
             else:
                 await self._serve(d, admitted)
         except anyio.get_cancelled_exc_class():
             raise  # shutdown or lost ownership: no answer, another worker resumes it
         except EngineDeadError as e:  # not the job's fault: leave it unacked for a healthy worker
             log.error("request %s: engine is dead (%s); stopping this worker", d.request_id, e)
-            self.engine_error = e
-            self.request_stop()
+            self.state.engine_error = e
+            self.state.request_stop()
         except Exception as e:
             log.exception("request %s (entry %s) failed", d.request_id, d.entry_id)
             try:
-                await self._finish_with_error(d, "internal", f"worker error: {e}")
+                await self.answers.finish_with_error(d, "internal", f"worker error: {e}")
             except Exception:  # never let one job's failure take the others down
                 log.exception("request %s (entry %s): could not report the failure", d.request_id,
                               d.entry_id)
         finally:
             if not admitted[0]:
-                self._admitted()
-            run = self._running.get(d.request_id or "")
-            if run is not None and run.entry_id == d.entry_id:
-                del self._running[run.job.id]
-            if not self._running and not self._starting:
-                self._jobs_idle.set()
+                self.state.admitted()
+            self.state.job_ended(d.entry_id, d.request_id)
 
     async def _serve(self, d: Delivery, admitted: list[bool]) -> None:
         job, entry_id, state = d.job, d.entry_id, d.state
         assert job is not None
         if not d.ours:
-            await self._dead_letter(entry_id, d.fields, ProtocolError(
+            await self.answers.dead_letter(entry_id, d.fields, ProtocolError(
                 "duplicate_id", f"id {job.id!r} is already used by another request", job.id))
-            await self._ack(entry_id)
+            await self.answers.ack(entry_id)
             return
         if state.finished:  # answered before, only the ack was lost
-            await self._ack(entry_id)
+            await self.answers.ack(entry_id)
             return
         run = RunningJob(job, entry_id, state.next_seq, d.fields)
         deliveries = d.deliveries
         if deliveries > self.cfg.max_deliveries:
-            await self._fail(run, "too_many_deliveries",
+            await self.answers.fail(run, "too_many_deliveries",
                              f"job was delivered {deliveries} times without finishing")
             return
         try:
             params = SamplingParams.from_dict(job.params)
         except (TypeError, ValueError) as e:
-            await self._fail(run, "invalid_params", str(e))
+            await self.answers.fail(run, "invalid_params", str(e))
             return
         resume = state.resume_token_ids(params.n)
         if job.deadline is not None and resume is None and time.time() * 1000 > job.deadline:
-            self._emit(run, [], error=ProtocolError("expired", "the deadline passed before the job started"))
+            self.answers.emit(run, [], error=ProtocolError("expired", "the deadline passed before the job started"))
             return
-        if d.cancelled or self._cancelled.pop(job.id, None) is not None:
-            self._emit(run, [done_event(job.id, run.next_seq, ["abort"] * params.n, _usage(0, 0, 0))])
+        if d.cancelled or self.state.take_cancel(job.id):
+            self.answers.emit(run, [done_event(job.id, run.next_seq, ["abort"] * params.n, _usage(0, 0, 0))])
             return
-        self._running[job.id] = run
+        self.state.running[job.id] = run
         with run.scope:
             await self._generate(run, params, state, resume, admitted)
 
-    async def _generate(self, run: RunningJob, params: Any, state: ResumeState,
+    async def _generate(self, run: RunningJob, params: SamplingParams, state: ResumeState,
                         resume: list[list[int]] | None, admitted: list[bool]) -> None:
         prompt = await self._prompt(run)
         if prompt is None:
@@ -98,7 +103,7 @@ class JobRunner(Answers):
             started = await self._admit(run, prompt, params, resume)
         finally:
             admitted[0] = True
-            self._admitted()
+            self.state.admitted()
         if started is not None:
             stream, first = started
             try:
@@ -116,11 +121,11 @@ class JobRunner(Answers):
         try:
             return {"prompt_token_ids": self.engine.render_chat(job.messages)}
         except ValueError as e:  # e.g. the checkpoint has no chat template
-            await self._fail(run, "invalid_request", str(e))
+            await self.answers.fail(run, "invalid_request", str(e))
             return None
 
-    async def _admit(self, run: RunningJob, prompt: Any, params: Any,
-                     resume: list[list[int]] | None) -> tuple[Any, Any] | None:
+    async def _admit(self, run: RunningJob, prompt: Any, params: SamplingParams,
+                     resume: list[list[int]] | None) -> tuple[OutputStream, RequestOutput] | None:
         """Hand the job to the engine: (output stream, first output), or None when it was answered
         instead (rejected by the engine, or its deadline passed before it started)."""
         job = run.job
@@ -136,7 +141,7 @@ class JobRunner(Answers):
                 backoff_s = min(1.0, backoff_s * 2)
                 continue
             except ValueError as e:  # prompt too long for the model and the like
-                await self._fail(run, "invalid_request", str(e))
+                await self.answers.fail(run, "invalid_request", str(e))
                 return None
             except BaseException:
                 # Interrupted while the engine was taking it: make sure it does not run unwatched.
@@ -144,11 +149,11 @@ class JobRunner(Answers):
                 raise
             if first is None:
                 self.engine.abort(job.id)
-                self._emit(run, [], error=ProtocolError("expired", "the deadline passed before the job started"))
+                self.answers.emit(run, [], error=ProtocolError("expired", "the deadline passed before the job started"))
                 return None
             return stream, first
 
-    async def _first_output(self, stream: Any, deadline_ms: int | None) -> Any:
+    async def _first_output(self, stream: OutputStream, deadline_ms: int | None) -> RequestOutput | None:
         """The stream's first output; None when `deadline_ms` passes first."""
         if deadline_ms is None:
             return await anext(stream)
@@ -156,7 +161,8 @@ class JobRunner(Answers):
             return await anext(stream)
         return None
 
-    async def _relay(self, run: RunningJob, params: Any, state: ResumeState, stream: Any, out: Any) -> None:
+    async def _relay(self, run: RunningJob, params: SamplingParams, state: ResumeState, stream: OutputStream,
+                     out: RequestOutput) -> None:
         """Engine outputs -> events, one event per sample per step, until the request finishes."""
         job = run.job
         emitted = {k: len(v) for k, v in state.token_ids.items()}  # counts include a resumed run's
@@ -176,10 +182,10 @@ class JobRunner(Answers):
                 count = max(params.n, 1 + max([*reasons, *emitted], default=0))
                 events.append(done_event(job.id, run.next_seq + len(events),
                                          [reasons.get(k, "abort") for k in range(count)], usage))
-                self._emit(run, events)
+                self.answers.emit(run, events)
                 return
             if events:
-                self._emit(run, events, final=False)
+                self.answers.emit(run, events, final=False)
             out = await anext(stream, None)
             if out is None:
                 raise RuntimeError("engine stream ended without a finished output")

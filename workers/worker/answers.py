@@ -1,7 +1,7 @@
 """How the Redis worker answers a job: events queued for the writer, error events, dead letters, acks.
 
-A job is answered through the event writer (workers/event_writer.py), whose final write also acks its
-entry; a job that cannot be answered in its own stream is only dead-lettered and acked here.
+A job is answered through the event writer (event_writer.py), whose final write also acks its entry;
+a job that cannot be answered in its own stream is only dead-lettered and acked here.
 """
 
 from __future__ import annotations
@@ -10,56 +10,64 @@ import logging
 import time
 from typing import Any
 
-from workers.backoff import TRANSIENT, Backoff
-from workers.event_writer import Write
-from workers.protocol import Job, ProtocolError, error_event
-from workers.worker_state import Delivery, RunningJob, WorkerState, as_str
+from redis.asyncio import Redis
+
+from clients.backoff import TRANSIENT, retry
+from clients.errors import ProtocolError
+from clients.protocol import Job, error_event
+from workers.worker.config import WorkerConfig
+from workers.worker.event_writer import EventWriter, Write
+from workers.worker.state import Delivery, RunningJob, WorkerState, as_str
 
 log = logging.getLogger("streamer.worker")
 _DEAD_PAYLOAD_BYTES = 64 * 1024
 
 
-class Answers(WorkerState):
+class Answers:
     """Every outcome of a job (tokens, done, error, duplicate, cancel) reaches Redis through these."""
 
-    def _emit(self, run: RunningJob, events: list[dict], error: ProtocolError | None = None,
-              final: bool = True) -> None:
+    def __init__(self, redis: Redis, config: WorkerConfig, state: WorkerState, writer: EventWriter) -> None:
+        self.redis, self.names, self.consumer = redis, config.names, config.consumer
+        self.state, self.writer = state, writer
+
+    def emit(self, run: RunningJob, events: list[dict], error: ProtocolError | None = None,
+             final: bool = True) -> None:
         """Queue events for the writer; with `final`, the job's entry is acked once they are in Redis."""
         if error is not None:
             events = [*events, error_event(run.job.id, run.next_seq + len(events), error.code, error.message)]
         run.next_seq += len(events)
         entry = run.entry_id
         self.writer.put(Write(run.job.id, run.job.encoding, events, ack_entry=entry if final else None,
-                              on_written=(lambda: self._pending_entries.pop(entry, None)) if final else None))
+                              on_written=(lambda: self.state.release_entry(entry)) if final else None))
 
-    async def _fail(self, run: RunningJob, code: str, message: str) -> None:
+    async def fail(self, run: RunningJob, code: str, message: str) -> None:
         """Answer a job we own with an error event and keep it in the dead letters."""
         error = ProtocolError(code, message[:300], run.job.id)
         log.info("request %s (entry %s): %s: %s", run.job.id, run.entry_id, code, error.message)
-        await self._dead_letter(run.entry_id, run.fields, error)
-        self._emit(run, [], error=error)
+        await self.dead_letter(run.entry_id, run.fields, error)
+        self.emit(run, [], error=error)
 
-    async def _reject(self, d: Delivery, error: ProtocolError) -> None:
+    async def reject(self, d: Delivery, error: ProtocolError) -> None:
         """A job that failed decoding or validation: dead letter, and an error event when it has an id."""
         log.info("rejected entry %s (request %s): %s %s", d.entry_id, error.request_id, error.code,
                  error.message)
-        await self._dead_letter(d.entry_id, d.fields, error)
+        await self.dead_letter(d.entry_id, d.fields, error)
         if error.request_id is None or not d.ours or d.state.finished:
-            await self._ack(d.entry_id)  # never write into another request's stream
+            await self.ack(d.entry_id)  # never write into another request's stream
             return
         job = Job(id=error.request_id, encoding=_encoding_of(d.fields))
-        self._emit(RunningJob(job, d.entry_id, d.state.next_seq, d.fields), [], error=error)
+        self.emit(RunningJob(job, d.entry_id, d.state.next_seq, d.fields), [], error=error)
 
-    async def _finish_with_error(self, d: Delivery, code: str, message: str) -> None:
-        run = self._running.get(d.request_id or "")
+    async def finish_with_error(self, d: Delivery, code: str, message: str) -> None:
+        run = self.state.running.get(d.request_id or "")
         if run is None or run.entry_id != d.entry_id:
-            await self._reject(d, ProtocolError(code, message[:300], d.request_id))
+            await self.reject(d, ProtocolError(code, message[:300], d.request_id))
         else:
-            await self._fail(run, code, message)
+            await self.fail(run, code, message)
 
-    async def _dead_letter(self, entry_id: str, fields: Any, error: ProtocolError) -> None:
+    async def dead_letter(self, entry_id: str, fields: Any, error: ProtocolError) -> None:
         entry: dict[str, Any] = {"reason": error.code, "message": error.message, "entry": entry_id,
-                                 "worker": self.cfg.consumer, "time_ms": int(time.time() * 1000)}
+                                 "worker": self.consumer, "time_ms": int(time.time() * 1000)}
         if error.request_id is not None:
             entry["id"] = error.request_id
         for key, value in (fields or {}).items():
@@ -67,10 +75,10 @@ class Answers(WorkerState):
             entry[f"payload_{as_str(key)}"] = value[:_DEAD_PAYLOAD_BYTES]
             if len(value) > _DEAD_PAYLOAD_BYTES:
                 entry["payload_bytes"] = len(value)
-        await self._retry("dead letter", self.redis.xadd, self.names.dead, entry, maxlen=100_000,
-                          approximate=True)
+        await retry("dead letter", log, lambda: self.redis.xadd(self.names.dead, entry, maxlen=100_000,
+                                                                approximate=True))
 
-    async def _ack(self, entry_id: str) -> None:
+    async def ack(self, entry_id: str) -> None:
         async def ack() -> None:  # a fresh pipeline per attempt: a failed execute empties it
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.xack(self.names.requests, self.names.group, entry_id)
@@ -81,16 +89,8 @@ class Answers(WorkerState):
                     if isinstance(reply, Exception):  # e.g. NOGROUP: nothing left to ack
                         log.warning("ack of entry %s refused: %s", entry_id, reply)
 
-        await self._retry("ack", ack)
-        self._pending_entries.pop(entry_id, None)
-
-    async def _retry(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        backoff = Backoff(what, log)
-        while True:
-            try:
-                return await fn(*args, **kwargs)
-            except TRANSIENT as e:
-                await backoff.sleep(e)
+        await retry("ack", log, ack)
+        self.state.release_entry(entry_id)
 
 
 def _encoding_of(fields: Any) -> str:

@@ -14,18 +14,18 @@ import json
 import logging
 import uuid
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from workers.backoff import TRANSIENT
-from workers.gateway_hub import FINAL_TYPES
-from workers.protocol import ID_RE, VERSION, ProtocolError, parse_job
-
-if TYPE_CHECKING:
-    from workers.gateway import Gateway
-    from workers.gateway_hub import Watch
+from clients.backoff import TRANSIENT
+from clients.errors import ProtocolError
+from clients.protocol import ID_RE, VERSION, Limits, parse_job
+from workers.gateway.config import GatewayConfig
+from workers.gateway.hub import Hub
+from workers.gateway.metrics import Metrics
+from workers.gateway.watch import FINAL_TYPES, Watch
 
 log = logging.getLogger("streamer.gateway")
 
@@ -52,10 +52,23 @@ def _request_id(obj: dict[str, Any]) -> str:
     return rid
 
 
+class GraceCancels(Protocol):
+    """The gateway's grace-period cancels, which outlive any one socket (server.py's `Gateway`)."""
+
+    def cancel_later(self, request_id: str) -> None:
+        """A socket closed with this request unfinished: cancel it unless someone resumes it."""
+        ...
+
+    def keep(self, request_id: str) -> None:
+        """The request is resumed (or cancelled by its client): no grace-period cancel."""
+        ...
+
+
 class Session:
-    def __init__(self, ws: ServerConnection, gateway: Gateway) -> None:
-        self.ws, self.gw = ws, gateway
-        self.cfg, self.hub, self.metrics = gateway.config, gateway.hub, gateway.metrics
+    def __init__(self, ws: ServerConnection, config: GatewayConfig, hub: Hub, metrics: Metrics,
+                 limits: Limits, grace: GraceCancels) -> None:
+        self.ws, self.cfg, self.hub, self.metrics = ws, config, hub, metrics
+        self.limits, self.grace = limits, grace
         self.requests: dict[str, Watch] = {}
         self._queue: deque[tuple[str, int]] = deque()
         self._queued_bytes = 0
@@ -76,7 +89,7 @@ class Session:
             unfinished, self.requests = self.requests, {}
             for rid, w in unfinished.items():
                 self.hub.unwatch(w)
-                self.gw.cancel_later(rid)
+                self.grace.cancel_later(rid)
 
     # --- sending -----------------------------------------------------------------------------------
 
@@ -165,7 +178,7 @@ class Session:
         if fields.get("id") is None:
             fields["id"] = uuid.uuid4().hex
         job = {"v": VERSION, **fields}
-        rid = parse_job(job, "json", self.gw.limits).id
+        rid = parse_job(job, "json", self.limits).id
         self._check_room(rid)
         if not await self.hub.claim(rid):
             raise ProtocolError("duplicate_id", f"id {rid!r} is already used by another request", rid)
@@ -188,7 +201,7 @@ class Session:
                                 "received; -1 replays from the start)", rid)
         self._check_room(rid)
         # Stop the grace-period cancel, here and (through Redis) on any other gateway that has one.
-        self.gw.keep(rid)
+        self.grace.keep(rid)
         await self.hub.announce_resume(rid)
         if not await self.hub.known(rid):
             raise ProtocolError("unknown_request", f"no request {rid!r} (never submitted, or expired)", rid)
@@ -201,7 +214,7 @@ class Session:
 
     async def _cancel(self, obj: dict[str, Any]) -> None:
         rid = _request_id(obj)
-        self.gw.keep(rid)
+        self.grace.keep(rid)
         await self.hub.cancel(rid)
 
     # --- relaying ----------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from workers.errors import UserError
 
-BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 
 
 def scripts(bench_dir: Path = BENCH_DIR) -> dict[str, Path]:

@@ -10,12 +10,15 @@ import time
 from typing import Any
 
 import anyio
+from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from workers.backoff import TRANSIENT, Backoff
-from workers.worker_cancel import CancelHandling
-from workers.worker_config import WorkerConfig
-from workers.worker_state import as_str
+from clients.backoff import TRANSIENT, Backoff
+from workers.worker.cancel import CancelListener
+from workers.worker.config import WorkerConfig
+from workers.worker.engine import Engine
+from workers.worker.event_writer import EventWriter
+from workers.worker.state import WorkerState, as_str
 
 log = logging.getLogger("streamer.worker")
 
@@ -35,15 +38,17 @@ return lost
 """
 
 
-class Heartbeat(CancelHandling):
-    """Every `heartbeat_s`: stats, cancel markers of running jobs (passed to `cancel`), entry freshness."""
+class Heartbeat:
+    """Every `heartbeat_s`: stats, cancel markers of running jobs (passed to `cancels`), entry freshness."""
 
-    def __init__(self, engine: Any, config: WorkerConfig) -> None:
-        super().__init__(engine, config)
+    def __init__(self, redis: Redis, config: WorkerConfig, engine: Engine, state: WorkerState,
+                 writer: EventWriter, cancels: CancelListener) -> None:
+        self.redis, self.cfg, self.names, self.engine = redis, config, config.names, engine
+        self.state, self.writer, self.cancels = state, writer, cancels
         # Registering only computes the script's hash (no Redis call): it is loaded on first use.
-        self._refresh_own = self.redis.register_script(_REFRESH_OWN)
+        self._refresh_own = redis.register_script(_REFRESH_OWN)
 
-    async def _heartbeat_loop(self) -> None:
+    async def loop(self) -> None:
         backoff = Backoff("heartbeat", log)
         key = self.names.worker(self.cfg.consumer)
         ttl_ms = int(self.cfg.heartbeat_s * 3000)
@@ -63,11 +68,11 @@ class Heartbeat(CancelHandling):
         return {"model": self.cfg.model_name, "consumer": self.cfg.consumer, "pid": os.getpid(),
                 "running": s.get("num_running", 0), "waiting": s.get("num_waiting", 0),
                 "kv_usage": s.get("kv_utilization", 0.0), "kv_blocks_used": s.get("kv_blocks_used", 0),
-                "kv_blocks_total": s.get("kv_blocks_total", 0), "jobs": len(self._running) + self._starting,
+                "kv_blocks_total": s.get("kv_blocks_total", 0), "jobs": self.state.held,
                 "writer_round_trips": self.writer.round_trips, "updated_ms": int(time.time() * 1000)}
 
     async def _heartbeat(self, key: str, ttl_ms: int) -> None:
-        entries, running = list(self._pending_entries), list(self._running)
+        entries, running = list(self.state.pending_entries), list(self.state.running)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hset(key, mapping={k: str(v) for k, v in self.stats().items()})
             pipe.pexpire(key, ttl_ms)
@@ -76,15 +81,15 @@ class Heartbeat(CancelHandling):
             replies = await pipe.execute()
         for request_id, marked in zip(running, replies[2:], strict=True):
             if marked:
-                self.cancel(request_id)
+                self.cancels.cancel(request_id)
         if not entries:
             return
         # Reset the idle time of our entries so no other worker reclaims them.
         lost = await self._refresh_own(keys=[self.names.requests],
                                        args=[self.names.group, self.cfg.consumer, *entries])
         for entry_id in map(as_str, lost):
-            request_id = self._pending_entries.pop(entry_id, None)
-            run = self._running.get(request_id or "")
+            request_id = self.state.release_entry(entry_id)
+            run = self.state.running.get(request_id or "")
             if run is not None and run.entry_id == entry_id:
                 log.warning("request %s: taken over by another worker, stopping here", request_id)
                 run.scope.cancel()

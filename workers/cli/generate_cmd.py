@@ -10,7 +10,11 @@ import json
 import sys
 from typing import Any
 
-from workers.worker import add_redis_arguments, check_redis, names_from_args
+import anyio
+
+from clients.redis_client import AsyncClient
+from workers.errors import UserError
+from workers.redis_options import add_redis_arguments, check_redis, names_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,8 +32,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
-    from workers.errors import UserError
-
     try:
         extra = json.loads(args.params)
     except json.JSONDecodeError as e:
@@ -43,11 +45,6 @@ def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _generate(args: argparse.Namespace) -> int:
-    import anyio
-
-    from clients.redis_client import AsyncClient
-
-    await check_redis(args.redis)
     chat = [{"role": "user", "content": args.prompt}]
     prompt = {"messages": chat} if args.chat else {"prompt": args.prompt}
     async with AsyncClient(args.redis, encoding=args.encoding, names=names_from_args(args)) as client:
@@ -76,8 +73,7 @@ async def _generate(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import anyio
-
+    check_redis(args.redis)
     try:
         return anyio.run(_generate, args, backend="asyncio")
     except KeyboardInterrupt:

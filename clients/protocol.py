@@ -1,8 +1,9 @@
 """The Redis wire contract (docs/protocol.md, version 1): key names, job decoding, event encoding.
 
 Pure Python (no torch, no Redis I/O) so that the client, the worker and the gateway share one
-definition of the format. Sampling parameters are only checked for shape here; the worker checks
-them against the engine's `SamplingParams` (workers/params.py).
+definition of the format; its errors are in clients/errors.py. Sampling parameters are only checked
+for shape here; the worker checks them against the engine's `SamplingParams.from_dict` when it
+runs the job (workers/worker/job.py).
 """
 
 from __future__ import annotations
@@ -14,26 +15,16 @@ from typing import Any
 
 import msgpack
 
+from clients.errors import ProtocolError
+
 VERSION = 1
 ENCODINGS = ("json", "msgpack")
-EVENT_TYPES = ("token", "done", "error")
 JOB_FIELDS = frozenset(
     {"v", "id", "prompt", "prompt_token_ids", "messages", "params", "priority", "deadline"}
 )
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
 # Ids become part of Redis key names and log lines: keep them printable and short.
 ID_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
-
-
-class ProtocolError(ValueError):
-    """A job that cannot be served. `code` is the machine-readable error code of the `error` event;
-    `request_id` is set when the id could be read (the caller then gets an event, not only a dead letter)."""
-
-    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.request_id = request_id
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,27 @@
+"""Errors of the wire contract (docs/protocol.md), shared by the client and the server side.
+
+`ProtocolError` is raised for bytes or maps that break the contract (the worker and the gateway
+answer it with an `error` event or frame); `RequestFailed` is what the client raises when the
+worker answered a request with an `error` event.
+"""
+
+from __future__ import annotations
+
+
+class ProtocolError(ValueError):
+    """A job that cannot be served. `code` is the machine-readable error code of the `error` event;
+    `request_id` is set when the id could be read (the caller then gets an event, not only a dead letter)."""
+
+    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+class RequestFailed(RuntimeError):
+    """The worker answered the request with an `error` event."""
+
+    def __init__(self, request_id: str, code: str, message: str) -> None:
+        super().__init__(f"request {request_id} failed: {code}: {message}")
+        self.request_id, self.code, self.message = request_id, code, message

@@ -1,0 +1,257 @@
+"""`streamer up`: everything on one machine, no Docker.
+
+Phases, each timed: Redis (a private redis-server on a free port, unless --redis URL), the model
+(the built-in SmolLM2 is converted on first run), one worker on the best device, the gateway.
+Then it prints the chat page URL and waits. Ctrl-C (or SIGTERM/SIGHUP) stops the gateway, then
+the worker, then Redis, and exits.
+
+Worker and gateway are child processes started in their own sessions: the terminal's Ctrl-C
+reaches only this process, which stops them in order (the gateway before the Redis it talks to);
+a second Ctrl-C kills them at once. Should this process die without stopping them (SIGKILL), they
+follow: worker and gateway watch their parent (parent.py), and the kernel stops the private
+redis-server (parent-death signal). Any other STREAMER_* variable in the environment reaches them too, e.g.
+`STREAMER_MAX_MODEL_LEN=2048 streamer up`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import signal
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from clients.protocol import Names
+from workers.cli.processes import Child, Phases
+from workers.errors import PortInUse, UserError, redact_url
+from workers.redis_options import check_redis, sync_client
+from workers.redis_server import RedisServer, free_port
+
+WORKER_GRACE_S = 3.0  # < processes.STOP_TIMEOUT_S: the worker exits by itself before being killed
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="Hugging Face checkpoint directory (Llama 2/3, Mistral, Qwen2); default: "
+                             "the built-in SmolLM2-135M-Instruct, prepared on first run")
+    parser.add_argument("--redis", default=None,
+                        help="URL of a running Redis to use; default: start a private redis-server "
+                             "on a free port")
+    parser.add_argument("--prefix", default="llm", help="prefix of every Redis name (worker and gateway)")
+    parser.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
+    parser.add_argument("--port", type=int, default=8000, help="gateway port (0: any free port)")
+    parser.add_argument("--device", default=None, help="device for the worker: cpu, cuda or cuda:N "
+                                                       "(default: CUDA if available, else CPU)")
+    parser.add_argument("--startup-timeout", type=float, default=900.0,
+                        help="seconds to wait for the worker to load the model")
+
+
+class _Stop(Exception):
+    """SIGTERM/SIGHUP: stop like Ctrl-C."""
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+# --- checks -----------------------------------------------------------------------------------
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        # The gateway's server sets SO_REUSEADDR too, so a port in TIME_WAIT counts as free.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUse(f"port {port} is already in use on {host}: stop the program using it "
+                                "or pick another with --port N (or STREAMER_PORT)") from exc
+            raise UserError(f"cannot listen on {host}:{port} ({exc.strerror}): check --host") from exc
+
+
+def best_device(requested: str | None) -> str:
+    if requested:
+        return requested
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def worker_keys(url: str, prefix: str) -> set[bytes]:
+    """Heartbeat keys of the workers alive on this Redis (each worker refreshes its own)."""
+    client = sync_client(url)
+    try:
+        return set(client.scan_iter(match=Names(prefix=prefix).worker("*"), count=1000))
+    finally:
+        client.close()
+
+
+def wait_until(ready: Callable[[], bool], children: list[Child], timeout: float, what: str,
+               tick_s: float = 10.0) -> None:
+    """Poll `ready` until it holds; fail if a child exits or the timeout passes."""
+    start = last_tick = time.monotonic()
+    while not ready():
+        for child in children:
+            code = child.exited()
+            if code is not None:
+                raise UserError(f"the {child.name} exited with status {code} while {what} "
+                                "(its messages are above)")
+        now = time.monotonic()
+        if now - start > timeout:
+            raise UserError(f"gave up after {timeout:.0f}s {what}: raise --startup-timeout if the "
+                            "machine is just slow")
+        if now - last_tick >= tick_s:
+            print(f"      ... still {what} ({now - start:.0f}s)", flush=True)
+            last_tick = now
+        time.sleep(0.2)
+
+
+def http_status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (OSError, ValueError):
+        return None
+
+
+# --- run --------------------------------------------------------------------------------------
+
+@dataclass
+class Started:
+    """What `up` started, stopped by `_shutdown` (children in reverse order, then Redis)."""
+
+    redis_server: RedisServer | None = None
+    children: list[Child] = field(default_factory=list)
+
+    def start(self, child: Child) -> Child:
+        self.children.append(child)  # before start(), so that a Ctrl-C in between stops it too
+        return child.start()
+
+
+@dataclass(frozen=True)
+class Setup:
+    redis_url: str
+    model: str
+    device: str
+    host: str  # the address a browser on this machine uses
+    port: int
+
+
+def run(args: argparse.Namespace) -> int:
+    port = args.port or free_port()
+    check_port_free(args.host, port)
+    # The address a browser on this machine uses (an IPv6 literal goes in brackets in a URL).
+    local_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    local_host = f"[{local_host}]" if ":" in local_host else local_host
+    started = Started()
+    old_handlers = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        phases = Phases()
+        setup = _start_all(args, local_host, port, phases, started)
+        _print_banner(setup, phases)
+        return _wait_for_exit(started.children)
+    except (KeyboardInterrupt, _Stop):
+        print("\nstopping ...", flush=True)
+        return 0
+    finally:
+        _shutdown(started.children, started.redis_server)
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
+
+
+def _start_all(args: argparse.Namespace, local_host: str, port: int, phases: Phases,
+               started: Started) -> Setup:
+    """The four phases, each started process recorded in `started` as soon as it exists."""
+    with phases.phase("redis", "Redis" + (f" at {redact_url(args.redis)}" if args.redis else
+                                          ": starting a private redis-server")):
+        redis_url = _start_redis(args.redis, started)
+
+    with phases.phase("model", "Model: " + (args.model or "built-in SmolLM2-135M-Instruct")):
+        from workers.default_model import resolve_model
+
+        model = str(resolve_model(args.model, progress=lambda m: print("      " + m.strip(), flush=True)))
+
+    setup = Setup(redis_url, model, best_device(args.device), local_host, port)
+    # The Redis URL goes by environment, not argv: a password in it stays out of `ps`.
+    # On Ctrl-C the gateway is already gone when the worker stops: nobody reads the rest of
+    # its answers, so it need not wait long for them (unless STREAMER_GRACE says otherwise).
+    child_env = {"STREAMER_REDIS": redis_url,
+                 "STREAMER_GRACE": os.environ.get("STREAMER_GRACE") or str(WORKER_GRACE_S)}
+    with phases.phase("worker", f"Worker: loading the model on {setup.device}"):
+        # With a shared Redis other workers may be there already: wait for a new heartbeat.
+        before = worker_keys(redis_url, args.prefix)
+        started.start(Child("worker", ["worker", "--model", model, "--prefix", args.prefix,
+                                       "--device", setup.device], env=child_env))
+        wait_until(lambda: bool(worker_keys(redis_url, args.prefix) - before), started.children,
+                   args.startup_timeout, "loading the model")
+
+    with phases.phase("gateway", f"Gateway on {args.host}:{setup.port}"):
+        started.start(Child("gateway", ["gateway", "--host", args.host, "--port", str(setup.port),
+                                        "--prefix", args.prefix], env=child_env))
+        wait_until(lambda: http_status(f"http://{setup.host}:{setup.port}/healthz") == 200,
+                   started.children, 60.0, "starting the gateway")
+    return setup
+
+
+def _start_redis(url: str | None, started: Started) -> str:
+    """The URL of the Redis to use: the one given (checked), or a private server's."""
+    if url:
+        check_redis(url)
+        return url
+    # Assigned before start(): a Ctrl-C during start() must still stop it.
+    started.redis_server = RedisServer(new_session=True, die_with_parent=True)
+    started.redis_server.start()
+    print(f"      {started.redis_server.url}", flush=True)
+    return started.redis_server.url
+
+
+def _print_banner(setup: Setup, phases: Phases) -> None:
+    host, port, redis_url = setup.host, setup.port, redact_url(setup.redis_url)
+    print(f"\nstreamer is up in {phases.summary()}\n"
+          f"  chat page:  http://{host}:{port}/\n"
+          f"  WebSocket:  ws://{host}:{port}/ws\n"
+          f"  Redis:      {redis_url}\n"
+          f"  model:      {setup.model} on {setup.device}\n"
+          f"  try:        STREAMER_REDIS={redis_url} streamer generate --chat "
+          "'What is the capital of France?'\n"
+          "Press Ctrl-C to stop.", flush=True)
+
+
+def _wait_for_exit(children: list[Child]) -> int:
+    """Until a child exits on its own (Ctrl-C and SIGTERM/SIGHUP raise instead)."""
+    while True:
+        for child in children:
+            code = child.exited()
+            if code is not None:
+                print(f"the {child.name} exited with status {code}: stopping", flush=True)
+                return 1
+        time.sleep(0.5)
+
+
+def _shutdown(children: list[Child], redis_server: RedisServer | None) -> None:
+    """Gateway first (no new jobs), then the worker, then Redis; a second Ctrl-C kills at once."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        for child in reversed(children):
+            child.stop()
+    except KeyboardInterrupt:
+        print("killing ...", flush=True)
+    # From here on nothing may interrupt the cleanup (it is quick): no orphan process or port.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        for child in children:
+            child.kill()
+        if redis_server is not None:
+            redis_server.stop()
+            redis_server.remove_data()
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    print("stopped", flush=True)

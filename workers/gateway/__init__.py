@@ -1,0 +1,11 @@
+"""`streamer gateway`: the browsers' door to the Redis worker (docs/gateway.md).
+
+- command.py: the command line (`add_arguments`, `run`); config.py: `GatewayConfig`.
+- server.py: `Gateway` (one port: `/ws`, the chat page, `/healthz`, `/metrics`) and `running_gateway`.
+- routes.py: plain HTTP and the handshake checks (API keys, origins).
+- session.py: one WebSocket connection (frames, limits, send queue).
+- hub.py: the Redis side (jobs, cancels, pub/sub relay); watch.py: one request's events in order,
+  gaps filled; metrics.py: counters.
+
+Nothing is imported here; import what you need from its module.
+"""

@@ -1,0 +1,85 @@
+"""`streamer gateway`: run the gateway (server.py) from the command line until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+from workers.errors import UserError
+from workers.gateway.config import GatewayConfig
+from workers.gateway.server import running_gateway
+
+log = logging.getLogger("streamer.gateway")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = GatewayConfig()
+    parser.add_argument("--host", default=d.host, help="address to listen on")
+    parser.add_argument("--port", type=int, default=d.port, help="port for /ws, the chat page, /healthz, /metrics")
+    parser.add_argument("--redis", default=d.redis_url, help="Redis URL (redis://[:PASSWORD@]HOST:PORT/DB)")
+    parser.add_argument("--prefix", default=d.prefix, help="prefix of every Redis key (as the worker's)")
+    parser.add_argument("--api-key", action="append", default=None, dest="api_key",
+                        help="accept this API key (repeat for several); none given: no key needed")
+    parser.add_argument("--api-keys-file", type=Path, default=None,
+                        help="file with one API key per line (# comments allowed)")
+    parser.add_argument("--allowed-origin", action="append", default=None, dest="allowed_origin",
+                        help="origin allowed to open /ws, e.g. https://chat.example.com (repeatable; "
+                             "'*' allows any); none given: only the gateway's own page")
+    parser.add_argument("--max-frame-bytes", type=int, default=d.max_frame_bytes,
+                        help="largest client frame accepted")
+    parser.add_argument("--max-inflight", type=int, default=d.max_inflight,
+                        help="requests streaming at once per connection")
+    parser.add_argument("--max-connections", type=int, default=d.max_connections,
+                        help="open WebSockets; more are refused with HTTP 503")
+    parser.add_argument("--send-queue-bytes", type=int, default=d.send_queue_bytes,
+                        help="per-connection bound on unsent frames; a slower reader is closed (code 4008)")
+    parser.add_argument("--cancel-grace", type=float, default=d.cancel_grace_s,
+                        help="seconds a closed socket's requests wait for a resume before being "
+                             "cancelled (0: at once)")
+    parser.add_argument("--request-ttl", type=float, default=d.request_ttl_s,
+                        help="seconds the gateway's id claims and cancel markers live in Redis")
+    parser.add_argument("--web-root", type=Path, default=d.web_root, help="directory of the chat page")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+
+
+def _read_keys(path: Path | None) -> list[str]:
+    if path is None:
+        return []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise UserError(f"cannot read --api-keys-file {path}: {e.strerror}") from e
+    return [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    keys = [*(k for k in (args.api_key or []) if k), *_read_keys(args.api_keys_file)]
+    return GatewayConfig(host=args.host, port=args.port, redis_url=args.redis, prefix=args.prefix,
+                         api_keys=tuple(keys), allowed_origins=tuple(args.allowed_origin or ()),
+                         max_frame_bytes=args.max_frame_bytes, max_inflight=args.max_inflight,
+                         max_connections=args.max_connections,
+                         send_queue_bytes=args.send_queue_bytes, cancel_grace_s=args.cancel_grace,
+                         request_ttl_s=args.request_ttl, web_root=args.web_root)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # websockets logs every HTTP response (health probes, page loads) at INFO.
+    logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.getLogger().level))
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        async with running_gateway(config) as gw:
+            print(f"streamer gateway: chat page {gw.url} (WebSocket {gw.ws_url})", flush=True)
+            await stop.wait()
+            log.info("stopping: open sockets are closed, their requests keep running for a resume")
+
+    asyncio.run(main())
+    return 0

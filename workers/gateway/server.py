@@ -1,0 +1,151 @@
+"""The gateway server: the browsers' door to the Redis worker (docs/gateway.md).
+
+One port serves the WebSocket endpoint `/ws` (jobs in, each request's events out, many requests per
+socket), the chat page and its files at `/`, `/healthz` and `/metrics`. The gateway holds no request
+state that matters: everything lives in Redis, so a browser that reloads, or reconnects to another
+gateway, resumes its answer from the events stream.
+
+`Gateway` wires the parts of this package: routes.py (HTTP, API keys, origins), session.py (one
+socket: frames, limits, send queue; it gets the hub, the metrics and the grace-period cancels passed
+in), hub.py (Redis: jobs, cancels, pub/sub relay with gap filling), metrics.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from websockets.asyncio.server import Server, ServerConnection
+from websockets.asyncio.server import serve as ws_serve
+
+from clients.protocol import Limits, Names
+from workers.gateway.config import GatewayConfig
+from workers.gateway.hub import Hub
+from workers.gateway.metrics import Metrics
+from workers.gateway.routes import WS_PATH, Routes
+from workers.gateway.session import Session
+
+log = logging.getLogger("streamer.gateway")
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.names = Names(prefix=config.prefix)
+        self.limits = Limits(max_payload_bytes=config.max_frame_bytes)
+        self.metrics = Metrics()
+        self.hub = Hub(config.redis_url, self.names, self.metrics, ttl_s=config.request_ttl_s,
+                       idle_poll_s=config.idle_poll_s)
+        self.routes = Routes(config.web_root, config.api_keys, config.allowed_origins, self.health,
+                             self.render_metrics, lambda: self.metrics.inc("connections_refused_total"),
+                             lambda: len(self.sessions) < config.max_connections)
+        self.sessions: set[Session] = set()
+        self._pending_cancels: dict[str, asyncio.TimerHandle] = {}
+        self.hub.on_resumed = self.keep  # a resume through any gateway stops our grace-period cancel
+        self.server: Server | None = None
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None, "gateway not started"
+        return self.server.sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}/"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://{self.config.host}:{self.port}{WS_PATH}"
+
+    async def start(self) -> None:
+        await self.hub.start()
+        try:
+            self.server = await ws_serve(
+                self._handle, self.config.host, self.config.port,
+                process_request=self.routes.process_request,
+                max_size=self.config.hard_frame_limit,
+                compression=None,  # token frames are tiny; deflate would cost CPU for nothing
+                close_timeout=self.config.close_timeout_s,
+                server_header="streamer-gateway",
+            )
+        except BaseException:
+            await self.hub.close()
+            raise
+        log.info("gateway on %s (WebSocket %s), Redis prefix %r", self.url, self.ws_url, self.config.prefix)
+
+    async def close(self) -> None:
+        """Shut down without cancelling anything: clients reconnect (here or to another gateway) and
+        resume, so a restart does not cost anyone their answer."""
+        for handle in self._pending_cancels.values():
+            handle.cancel()
+        self._pending_cancels.clear()
+        if self.server is not None:
+            self.server.close()  # closes open connections too (1001 going away)
+            await self.server.wait_closed()
+        await self.hub.close()
+
+    async def _handle(self, ws: ServerConnection) -> None:
+        session = Session(ws, self.config, self.hub, self.metrics, self.limits, self)
+        self.sessions.add(session)
+        self.metrics.inc("connections_total")
+        try:
+            await session.run()
+        finally:
+            self.sessions.discard(session)
+
+    # --- grace-period cancel -----------------------------------------------------------------------
+
+    def cancel_later(self, request_id: str) -> None:
+        """A socket closed with this request unfinished: free its KV blocks unless someone resumes it."""
+        if self.server is None or not self.server.is_serving():
+            return  # shutting down: see close()
+        if self.config.cancel_grace_s <= 0:
+            self._cancel_now(request_id)
+            return
+        self.keep(request_id)
+        loop = asyncio.get_running_loop()
+        self._pending_cancels[request_id] = loop.call_later(self.config.cancel_grace_s, self._cancel_now,
+                                                            request_id)
+
+    def keep(self, request_id: str) -> None:
+        handle = self._pending_cancels.pop(request_id, None)
+        if handle is not None:
+            handle.cancel()
+
+    def _cancel_now(self, request_id: str) -> None:
+        self._pending_cancels.pop(request_id, None)
+        if any(request_id in s.requests for s in self.sessions):
+            return  # resumed on another socket meanwhile
+        self.metrics.inc("grace_cancels_total")
+        self.hub.spawn(self.hub.cancel(request_id), f"cancel {request_id} after its socket closed")
+
+    # --- HTTP --------------------------------------------------------------------------------------
+
+    async def health(self) -> tuple[bool, dict[str, Any]]:
+        redis_ok = await self.hub.ping()
+        workers: list[dict[str, str]] = []
+        if redis_ok:
+            with contextlib.suppress(Exception):
+                workers = await asyncio.wait_for(self.hub.workers(), timeout=2)
+        ok = redis_ok and bool(workers)
+        return ok, {"ok": ok, "redis": redis_ok, "workers": workers,
+                    "connections": len(self.sessions)}
+
+    def render_metrics(self) -> str:
+        self.metrics.values["connections_open"] = len(self.sessions)
+        self.metrics.values["requests_inflight"] = sum(len(s.requests) for s in self.sessions)
+        return self.metrics.render()
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(config: GatewayConfig) -> AsyncIterator[Gateway]:
+    """A started gateway (`streamer gateway`, tests): `async with running_gateway(config) as gw`."""
+    gw = Gateway(config)
+    await gw.start()
+    try:
+        yield gw
+    finally:
+        await gw.close()

@@ -1,0 +1,29 @@
+"""The worker's seam to the engine: exactly the methods it calls. `streamer.AsyncEngine` has them;
+tests/test_layering.py checks that its signatures match."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Any, Protocol
+
+from streamer import RequestOutput, SamplingParams
+
+
+class Engine(Protocol):
+    def generate(self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0,
+                 resume_token_ids: list[list[int]] | None = None) -> AsyncGenerator[RequestOutput, None]:
+        """Deltas of one request; raises ValueError / QueueFullError before the first if rejected.
+        Closing the generator early aborts the request."""
+        ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def admission_capacity(self) -> int:
+        """How many more requests the engine can take now without queueing."""
+        ...
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The checkpoint's chat template applied (ValueError when it has none)."""
+        ...

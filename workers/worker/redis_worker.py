@@ -1,0 +1,124 @@
+"""The Redis streaming worker: jobs from a consumer group in, per-request events out (docs/protocol.md).
+
+Task layout (anyio, one task group each, nothing outlives `Worker.run`):
+  services: event writer, heartbeat (stats + keeping our pending entries fresh), cancel listener
+  reading:  XREADGROUP reader (intake) and XAUTOCLAIM reclaimer, both stopped first on shutdown
+  jobs:     one task per request (a `JobRunner.run`), each owning its engine stream; cancelled (not
+            answered) when the shutdown grace period runs out, so another worker resumes them
+The engine steps in its own thread (AsyncEngine); job tasks only hand events to the writer, so
+Redis I/O and generation never wait on each other.
+
+`Worker` owns the Redis connection and the one `WorkerState`, builds each part with the state and
+the collaborators it needs, and wires them into the task layout above.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+from redis.asyncio import Redis
+
+from clients.backoff import TRANSIENT
+from workers.worker.answers import Answers
+from workers.worker.cancel import CancelListener
+from workers.worker.config import WorkerConfig
+from workers.worker.engine import Engine
+from workers.worker.event_writer import EventWriter
+from workers.worker.heartbeat import Heartbeat
+from workers.worker.intake import Intake
+from workers.worker.job import JobRunner
+from workers.worker.reclaim import Reclaimer
+from workers.worker.state import WorkerState
+
+log = logging.getLogger("streamer.worker")
+
+
+class Worker:
+    """`Worker(engine, config)`; `run` serves until `request_stop` (or the engine dies)."""
+
+    def __init__(self, engine: Engine, config: WorkerConfig) -> None:
+        self.engine, self.cfg, self.names = engine, config, config.names
+        self.redis = Redis.from_url(config.redis_url, socket_connect_timeout=2)
+        self.state = WorkerState(engine.admission_capacity)
+        self.writer = EventWriter(self.redis, self.names, int(config.events_ttl_s * 1000))
+        answers = Answers(self.redis, config, self.state, self.writer)
+        self.intake = Intake(self.redis, config, self.state, JobRunner(engine, config, self.state, answers))
+        self.reclaimer = Reclaimer(self.redis, config, self.state, self.intake)
+        self.cancels = CancelListener(self.redis, self.names, engine, self.state)
+        self.heartbeat = Heartbeat(self.redis, config, engine, self.state, self.writer, self.cancels)
+
+    @property
+    def ready(self) -> anyio.Event:
+        """Set once the worker reads jobs."""
+        return self.state.ready
+
+    @property
+    def stopping(self) -> bool:
+        return self.state.stopping
+
+    def request_stop(self) -> None:
+        """Stop reading new jobs; `run` finishes in-flight ones (within grace_s) and returns."""
+        self.state.request_stop()
+
+    def stats(self) -> dict[str, Any]:
+        """What the heartbeat publishes in Redis."""
+        return self.heartbeat.stats()
+
+    async def run(self) -> None:
+        cfg = self.cfg
+        log.info("worker %s: model %s, group %s on %s", cfg.consumer, cfg.model_name, self.names.group,
+                 self.names.requests)
+        await self.intake.ensure_group()
+        try:
+            async with anyio.create_task_group() as services:
+                services.start_soon(self.writer.run)
+                services.start_soon(self.heartbeat.loop)
+                services.start_soon(self.cancels.listen)
+                async with anyio.create_task_group() as jobs:
+                    await self._read_until_stopped(jobs)
+                    await self._finish_jobs(jobs)
+                self.writer.close()
+                with anyio.move_on_after(max(5.0, cfg.grace_s / 2)):
+                    await self.writer.wait_idle()
+                services.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+                await self._leave()
+            await self.redis.aclose()
+        if self.state.engine_error is not None:
+            raise RuntimeError(f"worker stopped: the engine failed ({self.state.engine_error})")
+
+    async def _read_until_stopped(self, jobs: TaskGroup) -> None:
+        async with anyio.create_task_group() as reading:
+            reading.start_soon(self.intake.read_loop, jobs)
+            reading.start_soon(self.reclaimer.claim_loop, jobs)
+            self.state.ready.set()
+            await self.state.wait_stop()
+            reading.cancel_scope.cancel()
+
+    async def _finish_jobs(self, jobs: TaskGroup) -> None:
+        """In-flight jobs get the grace period; what is left after it goes to other workers."""
+        cfg, state = self.cfg, self.state
+        log.info("worker %s: stopping, %d job(s) in flight (grace %.1fs)", cfg.consumer, state.held,
+                 cfg.grace_s)
+        with anyio.move_on_after(cfg.grace_s):
+            await state.wait_idle()
+        if state.held:
+            log.warning("worker %s: grace period over, leaving %s to other workers", cfg.consumer,
+                        sorted(state.running))
+        jobs.cancel_scope.cancel()
+
+    async def _leave(self) -> None:
+        try:
+            await self.redis.delete(self.names.worker(self.cfg.consumer))
+            # Deleting a consumer drops its pending entries: only leave when Redis says it holds none
+            # (an entry delivered just as reading stopped is reclaimed by another worker instead).
+            held = await self.redis.xpending_range(self.names.requests, self.names.group, "-", "+", 1,
+                                                   consumername=self.cfg.consumer)
+            if not held:
+                await self.redis.xgroup_delconsumer(self.names.requests, self.names.group, self.cfg.consumer)
+        except TRANSIENT as e:
+            log.warning("worker %s: could not deregister (%s)", self.cfg.consumer, e)

@@ -1,0 +1,139 @@
+"""What the parts of the Redis worker share: the jobs it holds (in flight or being admitted), the
+capacity that leaves, the stop flag, and the records one job entry travels as.
+
+`Worker` (redis_worker.py) builds one `WorkerState` and hands it to each part: intake spends
+capacity, job tasks give it back, the heartbeat refreshes what is held, the cancel listener looks
+jobs up. They change it only through these methods and fields, never keep a copy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from clients.errors import ProtocolError
+from clients.protocol import Job
+from clients.resume import ResumeState
+
+_MAX_REMEMBERED_CANCELS = 10_000
+
+
+@dataclass
+class Delivery:
+    """One entry handed to this worker, decoded, with its id claimed and its earlier events read."""
+
+    entry_id: str
+    fields: Any
+    deliveries: int
+    job: Job | None = None
+    error: ProtocolError | None = None  # could not be decoded or validated
+    ours: bool = False  # the request id belongs to this entry (not a duplicate)
+    state: ResumeState = field(default_factory=ResumeState)
+    cancelled: bool = False
+
+    @property
+    def request_id(self) -> str | None:
+        return self.job.id if self.job is not None else self.error.request_id if self.error else None
+
+
+@dataclass
+class RunningJob:
+    job: Job
+    entry_id: str
+    next_seq: int
+    fields: Any = None  # the raw entry, kept for dead letters
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+
+
+class WorkerState:
+    """The jobs one worker holds and the flags its tasks coordinate on."""
+
+    def __init__(self, admission_capacity: Callable[[], int]) -> None:
+        self._admission_capacity = admission_capacity
+        self.running: dict[str, RunningJob] = {}  # request id -> job
+        self.pending_entries: dict[str, str] = {}  # request-stream entry id -> request id, until acked
+        self.starting = 0  # jobs read but not yet admitted by the engine (capacity already spent)
+        self._cancelled: OrderedDict[str, float] = OrderedDict()  # cancels seen for jobs not running here
+        self._capacity_freed = anyio.Event()
+        self._stop = anyio.Event()
+        self._idle = anyio.Event()
+        self._idle.set()
+        self.ready = anyio.Event()  # set once the worker reads jobs
+        self.engine_error: BaseException | None = None
+
+    # --- stopping ----------------------------------------------------------------------------------
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def wait_stop(self) -> None:
+        await self._stop.wait()
+
+    # --- capacity and held jobs ------------------------------------------------------------------
+
+    def capacity(self) -> int:
+        """Jobs we may take now: what the engine can admit, less jobs read and not yet admitted."""
+        return max(0, int(self._admission_capacity()) - self.starting)
+
+    async def wait_capacity(self) -> int:
+        while (n := self.capacity()) <= 0:
+            self._capacity_freed = anyio.Event()
+            with anyio.move_on_after(0.05):  # KV blocks also free up without a job finishing here
+                await self._capacity_freed.wait()
+        return n
+
+    @property
+    def held(self) -> int:
+        """Jobs in flight or being admitted."""
+        return len(self.running) + self.starting
+
+    def job_read(self, entry_id: str, request_id: str) -> None:
+        """An entry is taken: its capacity is spent until `admitted`, its entry held until acked."""
+        self.starting += 1
+        self._idle = anyio.Event() if self._idle.is_set() else self._idle
+        self.pending_entries[entry_id] = request_id
+
+    def admitted(self) -> None:
+        """Called once per `job_read`, when the engine took the job or it was answered otherwise."""
+        self.starting -= 1
+        self._capacity_freed.set()
+
+    def job_ended(self, entry_id: str, request_id: str | None) -> None:
+        run = self.running.get(request_id or "")
+        if run is not None and run.entry_id == entry_id:
+            del self.running[run.job.id]
+        if not self.running and not self.starting:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Until no job is in flight or being admitted."""
+        await self._idle.wait()
+
+    def release_entry(self, entry_id: str) -> str | None:
+        """The entry left the requests stream (or another worker took it): stop refreshing it."""
+        return self.pending_entries.pop(entry_id, None)
+
+    # --- cancels of jobs not running here --------------------------------------------------------
+
+    def remember_cancel(self, request_id: str) -> None:
+        """A cancel for a job that may be read but not yet running here: kept for a while (bounded)."""
+        self._cancelled[request_id] = time.monotonic()
+        while len(self._cancelled) > _MAX_REMEMBERED_CANCELS:
+            self._cancelled.popitem(last=False)
+
+    def take_cancel(self, request_id: str) -> bool:
+        return self._cancelled.pop(request_id, None) is not None
+
+
+def as_str(value: Any) -> str:
+    """A Redis reply field as text (the client returns bytes: its replies also carry binary payloads)."""
+    return value.decode() if isinstance(value, bytes) else str(value)
