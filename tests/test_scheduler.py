@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from streamer.errors import QueueFullError
-from streamer.request import SeqStatus, Sequence
+from streamer.request import Request, SeqStatus, Sequence
+from streamer.sampling_params import SamplingParams
 from streamer.scheduler import Scheduler, SchedulerConfig
 from streamer.waiting_queue import WaitingQueue
 from tests.test_block_manager import make_seq, step
@@ -163,3 +164,81 @@ def test_waiting_queue_orders_by_priority_then_arrival_and_removes() -> None:
     assert q.remove(c) and not q.remove(c) and len(q) == 4
     assert set(q) == {a, b, d, preempted}
     assert [q.pop().request_id for _ in range(4)] == ["b", "d", "p", "a"]
+
+
+def request(name: str, n_tokens: int, samples: int = 1, first: int = 1, **params: object) -> Request:
+    prompt = list(range(first, first + n_tokens))
+    p = SamplingParams(**{"max_tokens": 1000, "n": samples, **params})
+    return Request(name, prompt, p, [Sequence(request_id=name, index=i, token_ids=list(prompt),
+                                              num_prompt_tokens=n_tokens, params=p) for i in range(samples)])
+
+
+@pytest.mark.parametrize("num_blocks, capacity", [(7, 0), (8, 1)])
+def test_admission_capacity_is_none_while_some_wait_or_blocks_are_short(num_blocks: int, capacity: int) -> None:
+    sched = make(num_blocks=num_blocks, max_num_seqs=4, max_waiting=2)
+    assert sched.admission_capacity() == 2  # min(4 free sequence slots, 2 waiting places)
+    sched.add(seq(4, "a"))
+    assert sched.admission_capacity() == 0  # one waits already
+    advance(sched)
+    assert sched.admission_capacity() == 2  # 1 running, plenty of blocks: min(3 slots, 2 places)
+    sched.add(seq(4, "b", first=20))
+    sched.add(seq(4, "c", first=40))
+    advance(sched)  # a holds 2 blocks, b and c 1 each
+    # 3 running: a 4th request only while the free blocks would give each running one more
+    assert sched.block_manager.num_free_blocks == num_blocks - 4 and sched.admission_capacity() == capacity
+
+
+def test_stats_report_queues_blocks_and_counters() -> None:
+    sched = make(num_blocks=8)
+    sched.add(seq(6, "a"))
+    sched.add(seq(3, "b", first=20))
+    advance(sched)
+    stats = sched.stats()
+    assert (stats["num_running"], stats["num_waiting"], stats["kv_blocks_total"]) == (2, 0, 8)
+    assert (stats["kv_blocks_used"], stats["kv_blocks_free"]) == (3, 5)  # 6 tokens: 2 blocks, 3: 1
+    assert stats["kv_utilization"] == 9 / 12 and stats["num_steps"] == 1
+    assert stats["prompt_tokens_computed"] == 9 and stats["generation_tokens"] == 2
+
+
+def test_samples_fork_from_the_first_once_its_prompt_is_computed_and_finish_counts_once() -> None:
+    sched = make(num_blocks=16)
+    r = request("r", 6, samples=3, max_tokens=2)
+    sched.add_request(r)
+    assert list(sched.waiting) == [r.sequences[0]]  # only the first computes the prompt
+    out, core = step(sched)
+    assert [s.seq for s in out.scheduled] == [r.sequences[0]] and out.scheduled[0].forks == r.sequences[1:]
+    assert [u.seq for u in core.updates] == r.sequences and all(s.num_computed_tokens == 6 for s in r.sequences)
+    table = sched.block_manager.block_table
+    assert table(r.sequences[1]) == table(r.sequences[0]) == table(r.sequences[2])  # shared, not copied
+    _, core = step(sched)
+    assert [(u.finish_reason, u.seq.num_output_tokens) for u in core.updates] == [("length", 2)] * 3
+    assert r.is_finished and "r" not in sched.requests and not sched.has_unfinished_requests()
+    assert sched.counters.num_requests_finished == 1 and sched.block_manager.num_free_blocks == 16
+
+
+def test_resumed_samples_each_compute_their_own_tokens() -> None:
+    sched = make()
+    r = request("r", 4, samples=2)
+    r.sequences[1].token_ids += [9, 9]
+    sched.add_request(r, resumed=True)
+    out, _ = step(sched)
+    assert sorted((s.seq.index, s.num_new_tokens, len(s.forks)) for s in out.scheduled) == [(0, 4, 0), (1, 6, 0)]
+
+
+def test_abort_counts_as_aborted_not_finished_and_frees_everything() -> None:
+    sched = make(num_blocks=16)
+    r = request("r", 6, samples=2)
+    sched.add_request(r)
+    step(sched)
+    assert sched.abort_request("r") is r and sched.abort_request("r") is None
+    assert r.is_finished and not sched.running and not len(sched.waiting)
+    assert (sched.counters.num_requests_aborted, sched.counters.num_requests_finished) == (1, 0)
+    assert sched.block_manager.num_free_blocks == 16 and not sched.block_manager.tables
+
+
+def test_a_request_that_does_not_fit_the_queue_is_not_registered() -> None:
+    sched = make(max_waiting=1)
+    sched.add_request(request("a", 4))
+    with pytest.raises(QueueFullError):
+        sched.add_request(request("b", 4, first=20))
+    assert list(sched.requests) == ["a"] and len(sched.waiting) == 1
