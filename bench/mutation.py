@@ -92,11 +92,15 @@ WORKER_TESTS = ("tests/test_protocol.py", "tests/test_redis_contract.py", "tests
 
 TARGETS: dict[str, Target] = {
     "block_manager": Target("streamer/block_manager.py", ENGINE_TESTS),
-    "scheduler": Target("streamer/scheduler.py", ENGINE_TESTS),
+    # The update step applies beam search's decisions (forks, parking, finishing): beam tests too.
+    "scheduler": Target("streamer/scheduler.py", (*ENGINE_TESTS, "tests/test_beam_search.py")),
+    # Text, stop strings and deltas on the engine's output side.
+    "output_processor": Target("streamer/output_processor.py", (
+        "tests/test_detokeniz*.py", "tests/test_stop*.py", "tests/test_sampling.py", "tests/test_logprobs.py",
+        "tests/test_engine_boundaries.py", "tests/test_beam_search.py")),
     "sampler": Target("streamer/sampler.py", ("tests/test_sampler_reference.py", "tests/test_sampling.py",
                                                "tests/test_logprobs.py")),
-    "detokenizer": Target("streamer/detokenizer.py", ("tests/test_detokeniz*.py", "tests/test_sampling.py",
-                                                       "tests/test_block_manager.py")),
+    "detokenizer": Target("streamer/detokenizer.py", ("tests/test_detokeniz*.py", "tests/test_sampling.py")),
     "stop_checker": Target("streamer/stop_checker.py", ("tests/test_stop*.py", "tests/test_sampling.py",
                                                          "tests/test_engine_boundaries.py",
                                                          "tests/test_async_engine.py")),
