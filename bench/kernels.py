@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # This file is named like the `kernels` package it measures: keep its folder off the import path.
 _HERE = Path(__file__).resolve().parent
@@ -40,77 +41,94 @@ def _rel(a, b) -> float:  # noqa: ANN001
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def attention_cases(torch, dev, dtype, smoke: bool) -> list[Case]:  # noqa: ANN001
-    from kernels.paged_attention import gather_kv, paged_decode_attention_ref, paged_prefill_attention_ref
-    from kernels.paged_decode_triton import decode_num_splits, paged_decode_attention
-    from kernels.paged_prefill_triton import paged_prefill_attention
+@dataclass
+class _Attn:
+    """Shapes and tensors shared by the attention cases."""
 
-    heads, kv_heads, head_size, block_size = (8, 2, 64, 16) if smoke else (32, 8, 128, 16)
-    scale = head_size ** -0.5
-    f = torch.nn.functional
+    torch: Any
+    dev: Any
+    dtype: Any
+    heads: int
+    kv_heads: int
+    head_size: int
+    block_size: int
 
-    def paged(batch: int, ctx: int):  # noqa: ANN202
-        nblk = -(-ctx // block_size)
-        shape = (batch * nblk, block_size, kv_heads, head_size)
-        kc, vc = torch.randn(shape, device=dev, dtype=dtype), torch.randn(shape, device=dev, dtype=dtype)
+    @property
+    def scale(self) -> float:
+        return self.head_size ** -0.5
+
+    def paged(self, batch: int, ctx: int) -> tuple[Any, Any, Any, Any]:
+        """Random K/V caches, shuffled block tables and lengths for `batch` sequences of `ctx` tokens."""
+        torch, dev = self.torch, self.dev
+        nblk = -(-ctx // self.block_size)
+        shape = (batch * nblk, self.block_size, self.kv_heads, self.head_size)
+        kc, vc = torch.randn(shape, device=dev, dtype=self.dtype), torch.randn(shape, device=dev, dtype=self.dtype)
         tables = torch.randperm(batch * nblk, device=dev).view(batch, nblk).int()
         lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
         return kc, vc, tables, lens
 
-    cases = []
-    decode_shapes = [(2, 100), (1, 1100)] if smoke else [(64, 1024), (32, 4096), (8, 8192), (1, 32768), (4, 32768)]
-    for batch, ctx in decode_shapes:
-        kc, vc, tables, lens = paged(batch, ctx)
-        q = torch.randn(batch, heads, head_size, device=dev, dtype=dtype)
-        out = torch.empty_like(q)
-        k = gather_kv(kc, tables, ctx).transpose(1, 2).contiguous()  # [B, KVH, L, D], for SDPA alone
-        v = gather_kv(vc, tables, ctx).transpose(1, 2).contiguous()
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
-        splits = decode_num_splits(batch, kv_heads, ctx, sms)
-        cases.append(Case(
-            "paged_decode", f"B={batch} L={ctx} splits={splits}",
-            bytes=kc.element_size() * (2 * batch * ctx * kv_heads * head_size + 2 * q.numel()) + tables.numel() * 4,
-            flops=4 * batch * heads * ctx * head_size,
-            impls={
-                "triton": lambda q=q, kc=kc, vc=vc, t=tables, n=lens, c=ctx, o=out: paged_decode_attention(
-                    q, kc, vc, t, n, scale, c, out=o),
-                "torch ref": lambda q=q, kc=kc, vc=vc, t=tables, n=lens, c=ctx: paged_decode_attention_ref(
-                    q, kc, vc, t, n, scale, c),
-                "sdpa (gathered)": lambda q=q, k=k, v=v: f.scaled_dot_product_attention(
-                    q.unsqueeze(2), k, v, scale=scale, enable_gqa=True),
-            },
-            check=lambda q=q, kc=kc, vc=vc, t=tables, n=lens, c=ctx: _rel(
-                paged_decode_attention(q, kc, vc, t, n, scale, c),
-                paged_decode_attention_ref(q, kc, vc, t, n, scale, c))))
 
+def attention_cases(torch, dev, dtype, smoke: bool) -> list[Case]:  # noqa: ANN001
+    a = _Attn(torch, dev, dtype, *((8, 2, 64, 16) if smoke else (32, 8, 128, 16)))
+    decode_shapes = [(2, 100), (1, 1100)] if smoke else [(64, 1024), (32, 4096), (8, 8192), (1, 32768), (4, 32768)]
     prefill_shapes = [(2, 40, 0)] if smoke else [(4, 1024, 0), (4, 256, 3840)]
-    for batch, q_len, ctx in prefill_shapes:
-        total = q_len + ctx
-        kc, vc, tables, lens = paged(batch, total)
-        q = torch.randn(batch * q_len, heads, head_size, device=dev, dtype=dtype)
-        qsl = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=dev)
-        out = torch.empty_like(q)
-        k = gather_kv(kc, tables, total).transpose(1, 2).contiguous()
-        v = gather_kv(vc, tables, total).transpose(1, 2).contiguous()
-        qd = q.view(batch, q_len, heads, head_size).transpose(1, 2)
-        mask = torch.ones(q_len, total, dtype=torch.bool, device=dev).tril(ctx)
-        pairs = batch * (q_len * ctx + q_len * (q_len + 1) // 2)  # (query, key) pairs attended
-        cases.append(Case(
-            "paged_prefill", f"B={batch} new={q_len} ctx={ctx}",
-            bytes=kc.element_size() * (2 * batch * total * kv_heads * head_size + 2 * q.numel()),
-            flops=4 * pairs * heads * head_size,
-            impls={
-                "triton": lambda q=q, kc=kc, vc=vc, t=tables, s=qsl, n=lens, m=q_len, o=out: paged_prefill_attention(
-                    q, kc, vc, t, s, n, scale, m, out=o),
-                "torch ref": lambda q=q, kc=kc, vc=vc, t=tables, s=qsl, n=lens: paged_prefill_attention_ref(
-                    q, kc, vc, t, s, n, scale),
-                "sdpa (gathered)": lambda q=qd, k=k, v=v, m=mask: f.scaled_dot_product_attention(
-                    q, k, v, attn_mask=m, scale=scale, enable_gqa=True),
-            },
-            check=lambda q=q, kc=kc, vc=vc, t=tables, s=qsl, n=lens: _rel(
-                paged_prefill_attention(q, kc, vc, t, s, n, scale),
-                paged_prefill_attention_ref(q, kc, vc, t, s, n, scale))))
-    return cases
+    return [_decode_case(a, b, ctx) for b, ctx in decode_shapes] + \
+        [_prefill_case(a, b, q_len, ctx) for b, q_len, ctx in prefill_shapes]
+
+
+def _decode_case(a: _Attn, batch: int, ctx: int) -> Case:
+    from kernels.paged_attention import gather_kv, paged_decode_attention_ref
+    from kernels.paged_decode_triton import decode_num_splits, paged_decode_attention
+
+    torch, dev, scale, f = a.torch, a.dev, a.scale, a.torch.nn.functional
+    kc, vc, tables, lens = a.paged(batch, ctx)
+    q = torch.randn(batch, a.heads, a.head_size, device=dev, dtype=a.dtype)
+    out = torch.empty_like(q)
+    k = gather_kv(kc, tables, ctx).transpose(1, 2).contiguous()  # [B, KVH, L, D], for SDPA alone
+    v = gather_kv(vc, tables, ctx).transpose(1, 2).contiguous()
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+    splits = decode_num_splits(batch, a.kv_heads, ctx, sms)
+    return Case(
+        "paged_decode", f"B={batch} L={ctx} splits={splits}",
+        bytes=kc.element_size() * (2 * batch * ctx * a.kv_heads * a.head_size + 2 * q.numel()) + tables.numel() * 4,
+        flops=4 * batch * a.heads * ctx * a.head_size,
+        impls={
+            "triton": lambda: paged_decode_attention(q, kc, vc, tables, lens, scale, ctx, out=out),
+            "torch ref": lambda: paged_decode_attention_ref(q, kc, vc, tables, lens, scale, ctx),
+            "sdpa (gathered)": lambda: f.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale,
+                                                                      enable_gqa=True),
+        },
+        check=lambda: _rel(paged_decode_attention(q, kc, vc, tables, lens, scale, ctx),
+                           paged_decode_attention_ref(q, kc, vc, tables, lens, scale, ctx)))
+
+
+def _prefill_case(a: _Attn, batch: int, q_len: int, ctx: int) -> Case:
+    from kernels.paged_attention import gather_kv, paged_prefill_attention_ref
+    from kernels.paged_prefill_triton import paged_prefill_attention
+
+    torch, dev, scale, f = a.torch, a.dev, a.scale, a.torch.nn.functional
+    total = q_len + ctx
+    kc, vc, tables, lens = a.paged(batch, total)
+    q = torch.randn(batch * q_len, a.heads, a.head_size, device=dev, dtype=a.dtype)
+    qsl = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=dev)
+    out = torch.empty_like(q)
+    k = gather_kv(kc, tables, total).transpose(1, 2).contiguous()
+    v = gather_kv(vc, tables, total).transpose(1, 2).contiguous()
+    qd = q.view(batch, q_len, a.heads, a.head_size).transpose(1, 2)
+    mask = torch.ones(q_len, total, dtype=torch.bool, device=dev).tril(ctx)
+    pairs = batch * (q_len * ctx + q_len * (q_len + 1) // 2)  # (query, key) pairs attended
+    return Case(
+        "paged_prefill", f"B={batch} new={q_len} ctx={ctx}",
+        bytes=kc.element_size() * (2 * batch * total * a.kv_heads * a.head_size + 2 * q.numel()),
+        flops=4 * pairs * a.heads * a.head_size,
+        impls={
+            "triton": lambda: paged_prefill_attention(q, kc, vc, tables, qsl, lens, scale, q_len, out=out),
+            "torch ref": lambda: paged_prefill_attention_ref(q, kc, vc, tables, qsl, lens, scale),
+            "sdpa (gathered)": lambda: f.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale,
+                                                                      enable_gqa=True),
+        },
+        check=lambda: _rel(paged_prefill_attention(q, kc, vc, tables, qsl, lens, scale),
+                           paged_prefill_attention_ref(q, kc, vc, tables, qsl, lens, scale)))
 
 
 def elementwise_cases(torch, dev, dtype, smoke: bool) -> list[Case]:  # noqa: ANN001
