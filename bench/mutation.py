@@ -32,6 +32,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path[0] = str(ROOT)  # run as a script: import bench.* from the repository root
+from bench.mutation_report import (  # noqa: E402
+    PLUGIN,
+    PYTEST_ARGS,
+    check,
+    counts,
+    diagnose,
+    score,
+    survivors,
+    table,
+)
+
 WORK = ROOT / "mutants"  # one scratch tree per module: mutants/<module>/ (its own mutants/ inside)
 
 # Copied into each scratch tree. streamer/, workers/ and clients/ are mutmut's source paths (it copies
@@ -50,33 +62,6 @@ ALSO_COPY = ("docs",)
 # Then `streamer generate` never sees the Ctrl-C of test_generate_cli_ctrl_c_cancels_the_request, the
 # test fails after its 30 s timeout, and every mutant it covers counts as killed whatever it does.
 # Restoring the defaults when the tests start (not in the fork server, which only collects) fixes that.
-PLUGIN = "mutation_plugin"
-PLUGIN_SOURCE = '''"""Written by bench/mutation.py for mutmut runs: see the comments there."""
-
-import signal
-
-import pytest
-
-
-def pytest_configure(config):
-    # Load the CPU attention extension here, in the fork server, so that the process forked per
-    # mutant has it already. Each first load in a process takes torch's build lock (a file); a
-    # mutant killed at its timeout while holding it leaves the file behind, and every later load on
-    # the machine, plain pytest runs included, then waits for it forever.
-    try:
-        from kernels.cpu_attention import load
-    except ImportError:
-        return
-    load()
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtestloop(session):
-    if not session.config.option.collectonly:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-'''
 
 
 @dataclass(frozen=True)
@@ -116,13 +101,8 @@ TARGETS: dict[str, Target] = {
     "resume": Target("clients/resume.py", ("tests/test_protocol.py",)),
 }
 
-# mutmut's exit-code verdicts, folded into the table's columns. A crash (SIGKILL at the CPU limit,
-# "segfault" in mutmut's words) counts as a timeout: the tests did not pass.
-COLUMNS = ("mutants", "killed", "survived", "no tests", "timeout", "suspicious")
 
 
-# Same examples every run, so a score does not move by chance; no cache folder in the copy.
-PYTEST_ARGS = ("-p", PLUGIN, "-p", "no:cacheprovider", "--hypothesis-seed=0")
 
 
 def test_files(target: Target, rev: str | None = None) -> list[str]:
@@ -182,13 +162,9 @@ def prepare(name: str, target: Target, tests: list[str], rev: str | None, timeou
                                  capture_output=True, text=True).stdout
     project = re.sub(r"(?ms)^\[tool\.mutmut\]\n.*?(?=^\[|\Z)", "", project)  # ours replaces any there
     (work / "pyproject.toml").write_text(project.rstrip() + "\n\n" + mutmut_config(target, tests, timeout_multiplier))
-    (work / f"{PLUGIN}.py").write_text(PLUGIN_SOURCE)
+    shutil.copy(ROOT / "bench" / f"{PLUGIN}.py", work / f"{PLUGIN}.py")
     (work / "tests.json").write_text(json.dumps(tests))  # for --check
     return work
-
-
-def run_mutmut(work: Path, *args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=work, **kwargs)
 
 
 def run_mutmut_session(work: Path, args: argparse.Namespace, out) -> int:
@@ -207,33 +183,6 @@ def run_mutmut_session(work: Path, args: argparse.Namespace, out) -> int:
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-
-
-def counts(work: Path) -> dict[str, int] | None:
-    """The verdict counts of the last run in `work`, or None if there is none."""
-    if not (work / "mutants").is_dir():
-        return None
-    run_mutmut(work, "export-cicd-stats", capture_output=True)
-    path = work / "mutants" / "mutmut-cicd-stats.json"
-    if not path.exists():
-        return None
-    s = json.loads(path.read_text())
-    return {
-        "mutants": s["total"] - s["skipped"],
-        "killed": s["killed"],
-        "survived": s["survived"],
-        "no tests": s["no_tests"],
-        "timeout": s["timeout"] + s["segfault"],
-        "suspicious": s["suspicious"],
-        "not checked": s["total"] - s["skipped"] - sum(s[k] for k in (
-            "killed", "survived", "no_tests", "timeout", "segfault", "suspicious", "check_was_interrupted_by_user")),
-    }
-
-
-def score(c: dict[str, int]) -> float | None:
-    """Killed (a failing test, a timeout or a crash) out of all mutants mutmut checked."""
-    checked = c["mutants"] - c["not checked"]
-    return 100.0 * (c["killed"] + c["timeout"]) / checked if checked else None
 
 
 def stale_build_locks(minutes: float = 5.0) -> list[Path]:
@@ -279,60 +228,7 @@ def run_locked(name: str, args: argparse.Namespace) -> tuple[dict[str, int] | No
     return c, elapsed
 
 
-def diagnose(work: Path, tests: list[str]) -> None:
-    """mutmut stops when the unmutated tests fail in its copy, and does not say which: show it."""
-    inner = work / "mutants"
-    if not inner.is_dir():
-        return
-    print("   the test selection on the unmutated copy (mutmut needs it to pass):", flush=True)
-    res = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", *PYTEST_ARGS, *tests], cwd=inner,
-                         capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    for line in (res.stdout + res.stderr).strip().splitlines()[-25:]:
-        print(f"   | {line}")
-    if res.returncode == 0:
-        print("   (it passes now: a flaky test, or one too slow for a loaded machine; run the module again)")
-
-
-def table(rows: list[tuple[str, dict[str, int] | None, float | None]]) -> str:
-    head = ["module", *COLUMNS, "score", "wall time"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, c, elapsed in rows:
-        wall = "-" if elapsed is None else f"{elapsed / 60:.1f} min"
-        if c is None:
-            lines.append(f"| {name} | " + " | ".join("-" for _ in COLUMNS) + f" | no result | {wall} |")
-            continue
-        s = score(c)
-        lines.append(f"| {name} | " + " | ".join(str(c[k]) for k in COLUMNS)
-                     + f" | {'-' if s is None else f'{s:.1f}%'} | {wall} |")
-    return "\n".join(lines)
-
-
-def survivors(name: str) -> None:
-    """Every mutant of the last run that no test failed on, as a diff against the real source."""
-    work = WORK / name
-    res = run_mutmut(work, "results", capture_output=True, text=True)
-    found = [ln.strip().rsplit(": ", 1) for ln in res.stdout.splitlines() if ": " in ln]
-    left = [(m, status) for m, status in found if status in ("survived", "no tests", "suspicious")]
-    print(f"\n#### {name}: {len(left)} mutants not killed ({TARGETS[name].path})")
-    for m, status in left:
-        diff = run_mutmut(work, "show", m, capture_output=True, text=True).stdout
-        print(f"\n# {m} ({status})\n{diff.split(chr(10), 1)[1] if diff.startswith('#') else diff}".rstrip())
-
-
-def check(name: str, mutant: str) -> int:
-    """Run the module's test selection on one mutant of the last run with plain pytest, output shown:
-    to see what a surviving mutant gets past, or to confirm that a kill is a real test failure."""
-    inner = WORK / name / "mutants"
-    if not inner.is_dir():
-        sys.exit(f"no run of {name} to check: run `python bench/mutation.py {name}` first")
-    tests = json.loads((WORK / name / "tests.json").read_text())
-    env = {**os.environ, "MUTANT_UNDER_TEST": mutant}
-    cmd = [sys.executable, "-m", "pytest", "-x", *PYTEST_ARGS, *tests]
-    print(f"MUTANT_UNDER_TEST={mutant} {' '.join(cmd[1:])}", flush=True)
-    return subprocess.call(cmd, cwd=inner, env=env)
-
-
-def main() -> None:
+def parse_args() -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("modules", nargs="*", metavar="module",
                         help=f"core modules to mutate (default: all): {', '.join(TARGETS)}")
@@ -355,53 +251,52 @@ def main() -> None:
     parser.add_argument("--list", action="store_true", help="print the modules and their test selections")
     parser.add_argument("-v", "--verbose", action="store_true", help="show mutmut's own output")
     args = parser.parse_args()
-
     names = []
     for m in args.modules or list(TARGETS):
         name = Path(m).stem  # also accepts streamer/stop_checker.py
         if name not in TARGETS:
             parser.error(f"unknown module {m!r}: pick from {', '.join(TARGETS)}")
         names.append(name)
+    if args.check and len(names) != 1:
+        parser.error("--check takes exactly one module")
+    return args, names
 
-    if args.list:
-        for name in names:
-            tests = test_files(TARGETS[name], args.rev)
-            print(f"{name:14} {TARGETS[name].path:28} {' '.join(tests) or '(no test file yet)'}")
-        return
 
-    if args.check:
-        if len(names) != 1:
-            parser.error("--check takes exactly one module")
-        sys.exit(check(names[0], args.check))
-
-    if not args.no_run:
-        try:
-            import mutmut  # noqa: F401
-        except ImportError:
-            sys.exit("mutmut is not installed: pip install -e '.[dev]'")
-        if args.rev:  # one snapshot for every module, even if the branch moves during a long run
-            args.rev = subprocess.run(["git", "rev-parse", "--verify", f"{args.rev}^{{commit}}"], cwd=ROOT,
-                                      check=True, capture_output=True, text=True).stdout.strip()
-            print(f"mutating commit {args.rev}", flush=True)
-
-    stale = [] if args.no_run else stale_build_locks()
+def ready_to_run(args: argparse.Namespace) -> None:
+    """mutmut installed, `--rev` pinned to one commit, no stale build lock: or exit saying why."""
+    try:
+        import mutmut  # noqa: F401
+    except ImportError:
+        sys.exit("mutmut is not installed: pip install -e '.[dev]'")
+    if args.rev:  # one snapshot for every module, even if the branch moves during a long run
+        args.rev = subprocess.run(["git", "rev-parse", "--verify", f"{args.rev}^{{commit}}"], cwd=ROOT,
+                                  check=True, capture_output=True, text=True).stdout.strip()
+        print(f"mutating commit {args.rev}", flush=True)
+    stale = stale_build_locks()
     if stale:
         sys.exit("stale torch extension build lock (a process was killed while building or loading the CPU "
                  "attention kernel); every test using the engine would hang. Check that no build is running, "
                  "then remove it:\n  " + "\n  ".join(map(str, stale)))
 
-    rows = []
-    for name in names:
-        if args.no_run:
-            rows.append((name, counts(WORK / name), None))
-        else:
-            rows.append((name, *run(name, args)))
+
+def main() -> None:
+    args, names = parse_args()
+    if args.list:
+        for name in names:
+            tests = test_files(TARGETS[name], args.rev)
+            print(f"{name:16} {TARGETS[name].path:32} {' '.join(tests) or '(no test file yet)'}")
+        return
+    if args.check:
+        sys.exit(check(names[0], WORK / names[0], args.check))
+    if not args.no_run:
+        ready_to_run(args)
+    rows = [(name, counts(WORK / name), None) if args.no_run else (name, *run(name, args)) for name in names]
     print()
     print(table(rows))
     if args.survivors:
         for name, c, _ in rows:
             if c is not None:
-                survivors(name)
+                survivors(name, WORK / name, TARGETS[name].path)
 
 
 if __name__ == "__main__":
