@@ -33,7 +33,7 @@ _HELP = {
     "max_num_seqs": "most sequences running at once",
     "max_num_batched_tokens": "most tokens computed in one step",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
-    "attention_backend": "auto, torch or triton",
+    "attention_backend": "auto, cpu, torch or triton",
     "tensor_parallel_size": "GPUs to split the model over",
     "seed": "engine random seed",
     "max_model_len": "longest prompt + output (default: the checkpoint's)",
@@ -41,6 +41,8 @@ _HELP = {
     "max_waiting_tokens": "bound of queued prompt tokens",
     "kv_cache_memory_gb": "CPU KV-cache size when --num-kv-blocks is not given",
     "gpu_memory_utilization": "share of GPU memory the engine may use",
+    "cpu_gemm": "CPU linear layers: onednn (weights packed once) or torch (F.linear)",
+    "tp_timeout_s": "seconds a tensor-parallel collective waits for a stuck rank (bounds weight loading too)",
 }
 
 

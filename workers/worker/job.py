@@ -18,8 +18,7 @@ from clients.errors import ProtocolError
 from clients.protocol import done_event, token_event
 from clients.resume import ResumeState
 from streamer import RequestOutput, SamplingParams
-from streamer.async_engine import EngineDeadError
-from streamer.errors import QueueFullError
+from streamer.errors import EngineDeadError, QueueFullError
 from workers.worker.answers import Answers
 from workers.worker.config import WorkerConfig
 from workers.worker.engine import Engine
