@@ -61,9 +61,9 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
-    def sibling(self, index: int) -> Sequence:
+    def sibling(self) -> Sequence:
         """A new sequence of the same request holding the same tokens (nothing computed)."""
-        return Sequence(request_id=self.request_id, index=index, token_ids=list(self.token_ids),
+        return Sequence(request_id=self.request_id, index=self.index, token_ids=list(self.token_ids),
                         num_prompt_tokens=self.num_prompt_tokens, params=self.params, priority=self.priority)
 
 

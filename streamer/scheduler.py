@@ -264,7 +264,7 @@ class Scheduler:
         return children
 
     def _fork_beam(self, parent: Sequence) -> Sequence:
-        child = parent.sibling(parent.index)
+        child = parent.sibling()
         if parent.status is SeqStatus.RUNNING:
             self.block_manager.fork(parent, child)
             self._start_running(child, parent.num_computed_tokens)

@@ -99,6 +99,20 @@ def test_beam_search_under_preemption(llama_ckpt):
     assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in roomy]
 
 
+def test_an_aborted_beam_search_ends_every_beam_with_its_index(llama_ckpt):
+    llm = LLM(str(llama_ckpt), num_kv_blocks=256, block_size=16)
+    engine = llm.engine
+    engine.add_request("beam", {"prompt_token_ids": list(range(40, 70))},
+                       SamplingParams(use_beam_search=True, beam_width=3, max_tokens=30, ignore_eos=True))
+    for _ in range(4):  # a few beam steps: beams forked and reordered
+        assert engine.step() == []
+    assert engine.abort_request("beam") and not engine.abort_request("beam")
+    (out,) = engine.step()
+    assert out.finished and [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(c.finish_reason == "abort" and c.token_ids == [] for c in out.outputs)
+    assert engine.stats()["kv_blocks_used"] == 0 and not engine.has_unfinished_requests()
+
+
 def test_beam_params_are_validated():
     with pytest.raises(ValueError, match="beam_width"):
         SamplingParams(use_beam_search=True, beam_width=0)

@@ -50,6 +50,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                                                max_num_batched_tokens=10, max_waiting_requests=100))
         self.bm = self.sched.block_manager
         self.requests: list[Request] = []
+        self.preemptions: Counter[int] = Counter()  # seq_id -> times seen in `preempted`
 
     @property
     def live(self) -> list[Sequence]:
@@ -71,6 +72,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         before = {id(s): s.num_tokens for s in self.live}
         out, core = step(self.sched)
         assert out.num_tokens <= 10
+        self.preemptions.update(s.seq_id for s in out.preempted)
         for item in out.scheduled:
             assert len(item.block_ids) * BLOCK_SIZE >= item.seq.num_computed_tokens, "a token has no slot"
         for update in core.updates:
@@ -101,6 +103,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         # Blocks are taken exactly for the tokens computed so far: no block is ever empty.
         for s in self.live:
             assert len(self.bm.block_table(s)) == -(-s.num_computed_tokens // BLOCK_SIZE)
+
+    @invariant()
+    def preemptions_are_counted(self) -> None:
+        for s in self.live:
+            assert s.num_preemptions == self.preemptions[s.seq_id]
+        assert self.sched.counters.num_preemptions == sum(self.preemptions.values())
+
+    @invariant()
+    def forks_wait_only_for_live_sequences(self) -> None:
+        assert set(self.sched._forks) <= {s.seq_id for s in self.live if s.index == 0}
 
     @invariant()
     def cache_index_is_consistent(self) -> None:

@@ -7,6 +7,7 @@ import pytest
 
 from streamer.errors import QueueFullError
 from streamer.request import Request, SeqStatus, Sequence
+from streamer.sampler import SamplerOutput
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler import Scheduler, SchedulerConfig
 from streamer.waiting_queue import WaitingQueue
@@ -188,6 +189,16 @@ def test_admission_capacity_is_none_while_some_wait_or_blocks_are_short(num_bloc
     assert sched.block_manager.num_free_blocks == num_blocks - 4 and sched.admission_capacity() == capacity
 
 
+def test_admission_capacity_is_none_once_every_sequence_slot_runs() -> None:
+    sched = make(num_blocks=64, max_num_seqs=2)
+    sched.add(seq(4, "a"))
+    advance(sched)
+    assert sched.admission_capacity() == 1
+    sched.add(seq(4, "b", first=20))
+    advance(sched)
+    assert len(sched.running) == 2 and sched.admission_capacity() == 0
+
+
 def test_stats_report_queues_blocks_and_counters() -> None:
     sched = make(num_blocks=8)
     sched.add(seq(6, "a"))
@@ -195,6 +206,7 @@ def test_stats_report_queues_blocks_and_counters() -> None:
     advance(sched)
     stats = sched.stats()
     assert (stats["num_running"], stats["num_waiting"], stats["kv_blocks_total"]) == (2, 0, 8)
+    assert stats["num_requests"] == 0  # bare sequences, no request registered
     assert (stats["kv_blocks_used"], stats["kv_blocks_free"]) == (3, 5)  # 6 tokens: 2 blocks, 3: 1
     assert stats["kv_utilization"] == 9 / 12 and stats["num_steps"] == 1
     assert stats["prompt_tokens_computed"] == 9 and stats["generation_tokens"] == 2
@@ -233,6 +245,11 @@ def test_abort_counts_as_aborted_not_finished_and_frees_everything() -> None:
     assert sched.abort_request("r") is r and sched.abort_request("r") is None
     assert r.is_finished and not sched.running and not len(sched.waiting)
     assert (sched.counters.num_requests_aborted, sched.counters.num_requests_finished) == (1, 0)
+    waiting = request("w", 6, samples=3)  # aborted before its samples fork: none are left to fork
+    sched.add_request(waiting)
+    assert sched.stats()["num_requests"] == 1
+    sched.abort_request("w")
+    assert sched.counters.num_requests_aborted == 2 and not sched._forks and not sched.requests
     assert sched.block_manager.num_free_blocks == 16 and not sched.block_manager.tables
 
 
@@ -242,3 +259,17 @@ def test_a_request_that_does_not_fit_the_queue_is_not_registered() -> None:
     with pytest.raises(QueueFullError):
         sched.add_request(request("b", 4, first=20))
     assert list(sched.requests) == ["a"] and len(sched.waiting) == 1
+
+
+def test_the_update_reports_each_sampled_token_with_its_logprobs() -> None:
+    sched = make()
+    a, b = seq(4, "a"), seq(3, "b", first=20)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    sampled = [a, b]
+    result = SamplerOutput([11, 12], [{11: -0.5, 3: -1.5}, None], [None, None])
+    core = sched.update_from_output(out, (sampled, result))
+    assert [(u.seq, u.token_id, u.logprobs, u.finish_reason) for u in core.updates] == \
+        [(a, 11, {11: -0.5, 3: -1.5}, None), (b, 12, None, None)]
+    assert a.token_ids[-1] == 11 and b.token_ids[-1] == 12 and not core.beam_results
