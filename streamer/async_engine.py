@@ -9,7 +9,7 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,7 +77,7 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     async def generate(self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0,
-                       resume_token_ids: list[list[int]] | None = None) -> AsyncIterator[RequestOutput]:
+                       resume_token_ids: list[list[int]] | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Deltas of one request; raises ValueError/QueueFullError before the first if rejected.
         Leaving the loop early (break, cancellation) aborts the request."""
         if self._error is not None:
