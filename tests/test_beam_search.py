@@ -113,6 +113,14 @@ def test_an_aborted_beam_search_ends_every_beam_with_its_index(llama_ckpt):
     assert engine.stats()["kv_blocks_used"] == 0 and not engine.has_unfinished_requests()
 
 
+def test_beams_stop_at_the_model_length(llama_ckpt):
+    llm = LLM(str(llama_ckpt), num_kv_blocks=64, block_size=16, max_model_len=40)
+    out = llm.generate({"prompt_token_ids": list(range(50, 80))},
+                       SamplingParams(use_beam_search=True, beam_width=2, max_tokens=100, ignore_eos=True))[0]
+    assert [len(c.token_ids) for c in out.outputs] == [10, 10]  # 30 prompt tokens + 10 = max_model_len
+    assert all(c.finish_reason == "length" for c in out.outputs)
+
+
 def test_beam_params_are_validated():
     with pytest.raises(ValueError, match="beam_width"):
         SamplingParams(use_beam_search=True, beam_width=0)

@@ -273,3 +273,25 @@ def test_the_update_reports_each_sampled_token_with_its_logprobs() -> None:
     assert [(u.seq, u.token_id, u.logprobs, u.finish_reason) for u in core.updates] == \
         [(a, 11, {11: -0.5, 3: -1.5}, None), (b, 12, None, None)]
     assert a.token_ids[-1] == 11 and b.token_ids[-1] == 12 and not core.beam_results
+
+
+def test_the_update_applies_the_token_stop_rules() -> None:
+    sched = Scheduler(SchedulerConfig(32, BS, max_model_len=1000, eos_token_ids=frozenset({2})))
+    for r in (request("eos", 4), request("stop", 4, first=20, stop_token_ids=[9]), request("go", 4, first=40)):
+        sched.add_request(r)
+    out = sched.schedule()
+    sampled = [item.seq for item in out.scheduled]
+    core = sched.update_from_output(out, (sampled, SamplerOutput([2, 9, 5], [None] * 3, [None] * 3)))
+    assert [(u.seq.request_id, u.finish_reason, u.stop_reason) for u in core.updates] == \
+        [("eos", "stop", None), ("stop", "stop", 9), ("go", None, None)]
+    assert list(sched.requests) == ["go"] and [s.request_id for s in sched.running] == ["go"]
+
+
+def test_queue_room_counts_prompt_tokens_and_resumed_samples() -> None:
+    sched = make(max_waiting=2, max_waiting_tokens=12)
+    with pytest.raises(QueueFullError, match="12 tokens"):
+        sched.add_request(request("long", 13))
+    sched.add_request(request("forks", 4, samples=3))  # the samples fork later: one waits
+    with pytest.raises(QueueFullError, match="2 requests"):
+        sched.add_request(request("resumed", 4, samples=2, first=20), resumed=True)  # both wait
+    assert list(sched.requests) == ["forks"]
