@@ -51,6 +51,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.bm = self.sched.block_manager
         self.requests: list[Request] = []
         self.preemptions: Counter[int] = Counter()  # seq_id -> times seen in `preempted`
+        self.aborted: set[str] = set()
 
     @property
     def live(self) -> list[Sequence]:
@@ -85,6 +86,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def abort(self, data: st.DataObject) -> None:
         request = data.draw(st.sampled_from([r for r in self.requests if not r.is_finished]))
         assert self.sched.abort_request(request.request_id) is request
+        self.aborted.add(request.request_id)
         assert request.is_finished and request.request_id not in self.sched.requests
 
     @invariant()
@@ -109,6 +111,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         for s in self.live:
             assert s.num_preemptions == self.preemptions[s.seq_id]
         assert self.sched.counters.num_preemptions == sum(self.preemptions.values())
+
+    @invariant()
+    def finished_and_aborted_requests_are_counted_apart(self) -> None:
+        done = [r for r in self.requests if r.is_finished and r.request_id not in self.aborted]
+        assert self.sched.counters.num_requests_finished == len(done)
+        assert self.sched.counters.num_requests_aborted == len(self.aborted)
+        assert set(self.sched.requests) == {r.request_id for r in self.requests if not r.is_finished}
 
     @invariant()
     def forks_wait_only_for_live_sequences(self) -> None:

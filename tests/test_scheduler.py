@@ -4,6 +4,7 @@ sequence cap, waiting-queue bounds and token accounting, prefix-cache counters, 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from streamer.errors import QueueFullError
 from streamer.request import Request, SeqStatus, Sequence
@@ -51,6 +52,14 @@ def test_the_budget_is_never_exceeded_and_a_full_budget_admits_nobody() -> None:
     sched.add(seq(3, "b", first=20))
     assert advance(sched) == [("a", 5)]
     assert len(sched.waiting) == 1 and [s.request_id for s in sched.running] == ["a"]
+
+
+def test_the_last_token_of_the_budget_goes_to_a_running_sequence() -> None:
+    sched = make(budget=2)
+    sched.add(seq(1, "a"))
+    sched.add(seq(1, "b", first=20))
+    assert advance(sched) == [("a", 1), ("b", 1)]
+    assert advance(sched) == [("a", 1), ("b", 1)]  # b's decode takes the budget's last token
 
 
 def test_max_num_seqs_caps_the_running_set() -> None:
@@ -226,6 +235,9 @@ def test_samples_fork_from_the_first_once_its_prompt_is_computed_and_finish_coun
     assert [(u.finish_reason, u.seq.num_output_tokens) for u in core.updates] == [("length", 2)] * 3
     assert r.is_finished and "r" not in sched.requests and not sched.has_unfinished_requests()
     assert sched.counters.num_requests_finished == 1 and sched.block_manager.num_free_blocks == 16
+    sched.add_request(request("next", 3, max_tokens=1))
+    step(sched)
+    assert sched.counters.num_requests_finished == 2 and not sched.requests
 
 
 def test_resumed_samples_each_compute_their_own_tokens() -> None:
@@ -295,3 +307,22 @@ def test_queue_room_counts_prompt_tokens_and_resumed_samples() -> None:
     with pytest.raises(QueueFullError, match="2 requests"):
         sched.add_request(request("resumed", 4, samples=2, first=20), resumed=True)  # both wait
     assert list(sched.requests) == ["forks"]
+
+
+def test_a_beam_waiting_for_its_sibling_is_skipped_not_parked_while_the_sibling_runs() -> None:
+    sched = make(budget=4)
+    beam = request("beam", 4, use_beam_search=True, beam_width=2, max_tokens=5)
+    sched.add_request(beam)
+    out = sched.schedule()  # the prompt; its row's log-probs pick two continuations of the one beam
+    logprobs = torch.log_softmax(torch.tensor([[0.0, 3.0, 2.9, 0.0, 0.0, 0.0, 0.0, 0.0]]), dim=-1)
+    sched.update_from_output(out, ([beam.sequences[0]], SamplerOutput([1], [None], [logprobs[0]])))
+    first, second = beam.sequences
+    assert [s.token_ids[-1] for s in beam.sequences] == [1, 2] and sched.running == [first, second]
+    sched.config.max_num_batched_tokens = 1  # room for one beam per step
+    out = sched.schedule()
+    assert [s.seq for s in out.scheduled] == [first]
+    sched.update_from_output(out, ([first], SamplerOutput([0], [None], [logprobs[0]])))
+    assert beam.sequences == [first, second] and first.num_computed_tokens == first.num_tokens  # waits
+    out = sched.schedule()
+    assert [s.seq for s in out.scheduled] == [second] and out.preempted == []
+    assert first.status is SeqStatus.RUNNING
