@@ -60,6 +60,10 @@ def test_the_last_token_of_the_budget_goes_to_a_running_sequence() -> None:
     sched.add(seq(1, "b", first=20))
     assert advance(sched) == [("a", 1), ("b", 1)]
     assert advance(sched) == [("a", 1), ("b", 1)]  # b's decode takes the budget's last token
+    late = make(budget=3)
+    late.add(seq(2, "a"))
+    late.add(seq(4, "b", first=20))
+    assert advance(late) == [("a", 2), ("b", 1)]  # a waiting prompt starts with the last token
 
 
 def test_max_num_seqs_caps_the_running_set() -> None:
