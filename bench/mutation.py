@@ -72,6 +72,7 @@ class Target:
 
 ENGINE_TESTS = ("tests/test_block_manager.py", "tests/test_scheduler*.py", "tests/test_kv_sharing.py",
                 "tests/test_prefix_cache*.py", "tests/test_engine_boundaries.py")
+
 TARGETS: dict[str, Target] = {
     "block_manager": Target("streamer/block_manager.py", ENGINE_TESTS),
     # The update step applies beam search's decisions (forks, parking, finishing): beam tests too.
