@@ -45,7 +45,7 @@ class BlockManager:
     tokens it has (or is about to have) in the cache, allocated on demand, so only its last block
     can be partly empty."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching

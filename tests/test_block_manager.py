@@ -149,7 +149,7 @@ TestScheduler.settings = settings(max_examples=150, stateful_step_count=40, dead
 
 
 def test_allocation_on_demand_and_utilization() -> None:
-    bm = BlockManager(8, 4)
+    bm = BlockManager(8, 4, enable_prefix_caching=False)
     seq = make_seq(5)
     assert bm.allocate(seq, 5) and len(bm.block_table(seq)) == 2
     seq.num_computed_tokens = 5
@@ -157,6 +157,7 @@ def test_allocation_on_demand_and_utilization() -> None:
     seq.num_computed_tokens = 6
     assert bm.utilization([seq]) == 6 / 8
     assert bm.allocate(seq, 3) and len(bm.block_table(seq)) == 3
+    assert bm.utilization([seq]) == 6 / 12  # the block taken ahead holds nothing yet
     assert not bm.allocate(make_seq(30), 30)  # needs 8 blocks, only 5 free: nothing taken
     assert bm.num_free_blocks == 5
     bm.free(seq)
@@ -256,12 +257,13 @@ def test_a_cached_block_keeps_its_first_owner() -> None:
     assert take_prefix(bm, c) == 4 and bm.block_table(c) == [first_owner]
 
 
-def test_copy_on_write_of_a_shared_partial_block() -> None:
-    bm = BlockManager(8, 4)
-    parent = computed(bm, make_seq(6), 6)  # blocks: one full, one holding 2 of 4
-    child = make_seq(6)
+@pytest.mark.parametrize("n", [5, 6, 7])
+def test_copy_on_write_of_a_shared_partial_block(n: int) -> None:
+    bm = BlockManager(8, 4, enable_prefix_caching=False)
+    parent = computed(bm, make_seq(n), n)  # blocks: one full, one holding 1 to 3 of 4
+    child = make_seq(n)
     fork(bm, parent, child)
-    assert bm.block_table(child) == bm.block_table(parent) and child.num_computed_tokens == 6
+    assert bm.block_table(child) == bm.block_table(parent) and child.num_computed_tokens == n
     assert [bm.blocks[b].ref_count for b in bm.block_table(parent)] == [2, 2]
     shared_full, shared_partial = bm.block_table(parent)
     assert bm.blocks_needed(child, 1) == 1  # no new block for the token, one for the copy
@@ -274,7 +276,7 @@ def test_copy_on_write_of_a_shared_partial_block() -> None:
 
 
 def test_no_copy_when_the_next_token_starts_a_new_block() -> None:
-    bm = BlockManager(8, 4)
+    bm = BlockManager(8, 4, enable_prefix_caching=False)
     parent = computed(bm, make_seq(8), 8)
     child = make_seq(8)
     fork(bm, parent, child)
@@ -283,7 +285,7 @@ def test_no_copy_when_the_next_token_starts_a_new_block() -> None:
 
 
 def test_a_failed_allocation_takes_nothing() -> None:
-    bm = BlockManager(4, 4)
+    bm = BlockManager(4, 4, enable_prefix_caching=False)
     parent = computed(bm, make_seq(6), 6)
     child = make_seq(6)
     fork(bm, parent, child)
@@ -306,7 +308,7 @@ def test_reusing_a_cached_free_block_evicts_it_from_the_index() -> None:
 
 
 def test_free_counts_and_double_free() -> None:
-    bm = BlockManager(6, 4)
+    bm = BlockManager(6, 4, enable_prefix_caching=False)
     a = computed(bm, make_seq(9), 9)
     assert bm.num_used_blocks == 3 and bm.num_free_blocks == 3
     ghost = make_seq(4)
@@ -318,7 +320,7 @@ def test_free_counts_and_double_free() -> None:
 
 
 def test_utilization_counts_shared_blocks_once() -> None:
-    bm = BlockManager(8, 4)
+    bm = BlockManager(8, 4, enable_prefix_caching=False)
     parent = computed(bm, make_seq(6), 6)
     child = make_seq(6)
     fork(bm, parent, child)
