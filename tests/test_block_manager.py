@@ -99,6 +99,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert set(free).isdisjoint(owners), "a block is both free and owned"
         assert len(free) + len(owners) == NUM_BLOCKS, "a block leaked"
         assert set(self.bm.tables) <= {s.seq_id for s in self.live}, "a finished sequence still has a table"
+        assert set(self.bm.hashes) <= set(self.bm.tables), "a sequence without blocks still has block hashes"
 
     @invariant()
     def only_last_block_partly_empty(self) -> None:
@@ -225,6 +226,9 @@ def test_match_prefix_takes_the_longest_run_of_cached_full_blocks() -> None:
     other_start.token_ids[0] = 99  # first block differs: its later blocks never match
     assert take_prefix(bm, other_start) == 0 and bm.block_table(other_start) == []
     assert bm.find_cached_prefix(same).num_tokens == 0, "a sequence that already holds blocks is not matched again"
+    taken = make_seq(12)
+    assert bm.allocate(taken, 4) and taken.num_computed_tokens == 0  # blocks, nothing computed yet
+    assert bm.find_cached_prefix(taken).num_tokens == 0
 
 
 def test_match_prefix_leaves_one_token_to_compute_and_does_nothing_without_caching() -> None:
