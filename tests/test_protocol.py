@@ -10,8 +10,10 @@ from hypothesis import strategies as st
 from clients.errors import ProtocolError
 from clients.protocol import (
     Limits,
+    Names,
     decode_event,
     decode_job,
+    decode_message,
     done_event,
     encode,
     encode_job,
@@ -149,3 +151,63 @@ def test_resume_refuses_a_stream_with_a_gap_or_repeat(seqs):
 def test_decode_event_json():
     event = token_event("r", 0, 0, [1], "é")
     assert decode_event({b"json": json.dumps(event).encode()}) == event
+
+
+def test_names_derive_from_the_prefix_and_each_can_be_overridden():
+    n = Names(prefix="p")
+    assert (n.requests, n.group, n.cancel, n.dead) == ("p:requests", "p:workers", "p:cancel", "p:dead")
+    assert (n.events("r1"), n.tokens("r1"), n.worker("w"), n.job("r1"), n.cancelled("r1")) == \
+        ("p:events:r1", "p:tokens:r1", "p:worker:w", "p:job:r1", "p:cancelled:r1")
+    custom = Names(prefix="p", requests="in", group="g", cancel="c", dead="d")
+    assert (custom.requests, custom.group, custom.cancel, custom.dead) == ("in", "g", "c", "d")
+    assert Names().requests == "llm:requests"
+
+
+def test_done_and_error_events_are_the_documented_shape():
+    """docs/protocol.md's example, field for field."""
+    usage = {"prompt_tokens": 1, "completion_tokens": 2, "cached_tokens": 0}
+    assert done_event("a1", 2, ["length", "stop"], usage) == {
+        "v": 1, "id": "a1", "seq": 2, "type": "done", "index": 0, "token_ids": [], "text": "",
+        "finish_reason": "length", "finish_reasons": ["length", "stop"], "usage": usage}
+    assert error_event("a1", 3, "invalid_params", "max_tokens must be positive") == {
+        "v": 1, "id": "a1", "seq": 3, "type": "error", "index": 0, "token_ids": [], "text": "",
+        "code": "invalid_params", "message": "max_tokens must be positive"}
+    assert token_event("a1", 0, 1, [9906], "Hello") == {
+        "v": 1, "id": "a1", "seq": 0, "type": "token", "index": 1, "token_ids": [9906], "text": "Hello"}
+
+
+VALID_CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize("messages, ok", [
+    (VALID_CHAT, True),
+    ([{"role": "user", "content": ""}], True),
+    ([], False),
+    ("hi", False),
+    (["hi"], False),
+    ([{"role": "user", "content": "hi", "name": "x"}], False),
+    ([{"role": 1, "content": "hi"}], False),
+    ([{"role": "user", "content": ["hi"]}], False),
+    ([{"content": "hi"}], False),
+    ([{"role": "user", "content": "hi"}] * 3, False),  # over the limit of 2 set below
+])
+def test_chat_messages_are_checked(messages, ok):
+    fields = job_fields({"v": 1, "id": "c1", "messages": messages})
+    limits = Limits(max_messages=2)
+    if ok:
+        assert decode_job(fields, limits).messages == messages
+        return
+    with pytest.raises(ProtocolError) as info:
+        decode_job(fields, limits)
+    assert info.value.code == "invalid_request" and info.value.request_id == "c1"
+    assert "message" in str(info.value)
+
+
+@pytest.mark.parametrize("encoding", ["json", "msgpack"])
+def test_pubsub_messages_and_event_entries_decode_in_either_encoding(encoding):
+    event = token_event("a1", 4, 0, [1, 2], "hé", logprobs=[{1: -0.25}, {2: -1.5, 7: -2.0}])
+    raw = encode(event, encoding)
+    assert decode_message(raw) == {**event, "logprobs": [[[1, -0.25]], [[2, -1.5], [7, -2.0]]]}
+    if encoding == "json":
+        assert decode_message(raw.decode()) == decode_message(raw)  # pub/sub may hand over text
+    assert decode_event({encoding.encode(): raw}) == decode_message(raw)
