@@ -146,8 +146,8 @@ def decode_payload(encoding: str, raw: bytes, limits: Limits = Limits()) -> Any:
             obj = json.loads(raw.decode("utf-8"))
         else:
             n = limits.max_items
+            # Strings and binaries cannot outgrow the payload, already bounded above; ext types are refused.
             obj = msgpack.unpackb(raw, raw=False, strict_map_key=False, max_array_len=n, max_map_len=n,
-                                  max_str_len=limits.max_payload_bytes, max_bin_len=limits.max_payload_bytes,
                                   max_ext_len=0)
     except RecursionError as e:  # json: too deeply nested to decode at all
         raise ProtocolError("bad_encoding", "payload is nested too deeply") from e
@@ -201,7 +201,7 @@ def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
     job.params = params
     if "priority" in obj:
         if not _is_int(obj["priority"]) or abs(obj["priority"]) > 2**31:
-            raise bad("`priority` must be an integer")
+            raise bad("`priority` must be an integer from -2**31 to 2**31")
         job.priority = obj["priority"]
     if "deadline" in obj and obj["deadline"] is not None:
         if not _is_int(obj["deadline"]) or obj["deadline"] < 0:

@@ -211,3 +211,105 @@ def test_pubsub_messages_and_event_entries_decode_in_either_encoding(encoding):
     if encoding == "json":
         assert decode_message(raw.decode()) == decode_message(raw)  # pub/sub may hand over text
     assert decode_event({encoding.encode(): raw}) == decode_message(raw)
+
+
+ALLOWED = "['deadline', 'id', 'messages', 'params', 'priority', 'prompt', 'prompt_token_ids', 'v']"
+
+
+@pytest.mark.parametrize("obj, code, message", [
+    ([1, 2], "invalid_request", "a request must be a map, not list"),
+    ({"v": 1, "id": "bad id", "prompt": "x"}, "invalid_request",
+     "`id` must be a string of 1-128 characters from A-Z a-z 0-9 . _ : @ / + = -"),
+    ({"v": 1, "id": "x", "prompt": "hi", "extra": 1, "b": 2}, "invalid_request",
+     f"unknown field(s) ['b', 'extra']; allowed: {ALLOWED}"),
+    ({"v": 2, "id": "x", "prompt": "hi"}, "unsupported_version", "`v` must be 1 (schema version), got 2"),
+    ({"v": 1, "id": "x"}, "invalid_request",
+     "exactly one of ['prompt', 'prompt_token_ids', 'messages'] is required, got []"),
+    ({"v": 1, "id": "x", "prompt": ""}, "invalid_request", "`prompt` must be a non-empty string"),
+    ({"v": 1, "id": "x", "prompt_token_ids": 5}, "invalid_request",
+     "`prompt_token_ids` must be a non-empty list of non-negative integers"),
+    ({"v": 1, "id": "x", "prompt_token_ids": []}, "invalid_request",
+     "`prompt_token_ids` must be a non-empty list of non-negative integers"),
+    ({"v": 1, "id": "x", "prompt": "hi", "params": "ab"}, "invalid_params",
+     "`params` must be a map from field name to value"),
+    ({"v": 1, "id": "x", "prompt": "hi", "priority": 2**31 + 1}, "invalid_request",
+     "`priority` must be an integer from -2**31 to 2**31"),
+    ({"v": 1, "id": "x", "prompt": "hi", "deadline": -1}, "invalid_request",
+     "`deadline` must be a unix time in milliseconds"),
+    ({"v": 1, "id": "x", "messages": [{"role": "u"}]}, "invalid_request",
+     'each message must be {"role": string, "content": string}'),
+])
+def test_a_rejected_job_says_exactly_what_is_wrong(obj, code, message):
+    with pytest.raises(ProtocolError) as info:
+        decode_job(job_fields(obj))
+    assert (info.value.code, str(info.value)) == (code, message)
+
+
+@pytest.mark.parametrize("encoding", ["json", "msgpack"])
+def test_accepted_values_at_their_limits(encoding):
+    job = decode_job(job_fields({"v": 1, "id": "x", "prompt_token_ids": [0, 5], "priority": -(2**31),
+                                 "deadline": 0}, encoding))
+    assert (job.prompt_token_ids, job.prompt, job.priority, job.deadline) == ([0, 5], None, -(2**31), 0)
+    assert decode_job(job_fields({"v": 1, "id": "x", "prompt": "a", "priority": 2**31}, encoding)).priority == 2**31
+
+
+def test_payload_size_and_depth_limits_are_inclusive():
+    raw = encode({"v": 1, "id": "x", "prompt": "hi"}, "json")
+    assert decode_job({b"json": raw}, Limits(max_payload_bytes=len(raw))).prompt == "hi"
+    with pytest.raises(ProtocolError) as info:
+        decode_job({b"json": raw}, Limits(max_payload_bytes=len(raw) - 1))
+    assert (info.value.code, str(info.value)) == ("too_large", f"payload is {len(raw)} bytes; the limit is "
+                                                                f"{len(raw) - 1}")
+    nested = {"v": 1, "id": "x", "prompt": "hi", "params": {"a": [[[1]]]}}  # 6 levels, the 1 included
+    assert decode_job(job_fields(nested), Limits(max_depth=6)).params == {"a": [[[1]]]}
+    with pytest.raises(ProtocolError) as info:
+        decode_job(job_fields(nested), Limits(max_depth=5))
+    assert (info.value.code, str(info.value)) == ("bad_encoding", "payload is nested deeper than 5 levels")
+
+
+def test_undecodable_payloads_name_the_decoder_error():
+    with pytest.raises(ProtocolError) as info:
+        decode_job({b"json": b"{"})
+    assert info.value.code == "bad_encoding" and str(info.value).startswith(
+        "cannot decode json payload (JSONDecodeError: Expecting property name")
+    with pytest.raises(ProtocolError) as info:
+        decode_job({b"json": b"[" * 100_000})
+    assert (info.value.code, str(info.value)) == ("bad_encoding", "payload is nested too deeply")
+    with pytest.raises(ProtocolError) as info:
+        decode_job({b"json": b"{}", b"x": b""})
+    assert str(info.value) == "an entry needs exactly one field, `json` or `msgpack`; got ['json', 'x']"
+
+
+def test_msgpack_specifics_items_map_keys_ext_types():
+    items = msgpack.packb({"v": 1, "id": "x", "prompt_token_ids": list(range(11))})
+    with pytest.raises(ProtocolError) as info:
+        decode_job({b"msgpack": items}, Limits(max_items=10))
+    assert info.value.code == "bad_encoding" and "exceeds max_array_len(10)" in str(info.value)
+    int_keys = msgpack.packb({"v": 1, "id": "x", "prompt": "hi", "params": {1: 2}})
+    with pytest.raises(ProtocolError) as info:
+        decode_job({b"msgpack": int_keys})
+    assert info.value.code == "invalid_params"  # decoded, then refused by the schema
+    ext = msgpack.packb({"v": 1, "id": "x", "prompt": msgpack.ExtType(1, b"a")})
+    with pytest.raises(ProtocolError) as info:
+        decode_job({b"msgpack": ext})
+    assert info.value.code == "bad_encoding"
+
+
+def test_encodings_are_compact_utf8_json_and_binary_safe_msgpack():
+    assert encode({"t": "é", "n": [1, 2]}, "json") == '{"t":"é","n":[1,2]}'.encode()
+    packed = encode({"b": b"\xff\x00"}, "msgpack")
+    assert msgpack.unpackb(packed, raw=False) == {"b": b"\xff\x00"}
+    assert list(encode_job({"id": "a", "prompt": "x"})) == ["json"]
+
+
+def test_events_are_not_held_to_job_limits_but_to_their_own_depth():
+    long_text = token_event("a1", 0, 0, [1], "x" * (2 << 20))  # over a job's 1 MiB
+    for encoding in ("json", "msgpack"):
+        assert decode_message(encode(long_text, encoding))["text"] == long_text["text"]
+        assert decode_event({encoding: encode(long_text, encoding)})["text"] == long_text["text"]
+    deep = {"usage": [[[[[[1]]]]]]}  # 8 levels (the 1 included): as deep as an event may be
+    assert decode_message(encode(deep, "json")) == deep
+    with pytest.raises(ProtocolError):
+        decode_message(encode({"usage": [[[[[[[1]]]]]]]}, "json"))
+    with pytest.raises(ProtocolError):
+        decode_event({"json": encode({"usage": [[[[[[[1]]]]]]]}, "json")})
