@@ -79,8 +79,8 @@ TARGETS: dict[str, Target] = {
     "scheduler": Target("streamer/scheduler.py", (*ENGINE_TESTS, "tests/test_beam_search.py")),
     # Text, stop strings and deltas on the engine's output side.
     "output_processor": Target("streamer/output_processor.py", (
-        "tests/test_detokeniz*.py", "tests/test_stop*.py", "tests/test_sampling.py", "tests/test_logprobs.py",
-        "tests/test_engine_boundaries.py", "tests/test_beam_search.py")),
+        "tests/test_output_processor.py", "tests/test_detokeniz*.py", "tests/test_stop*.py", "tests/test_sampling.py",
+        "tests/test_logprobs.py", "tests/test_engine_boundaries.py", "tests/test_beam_search.py")),
     "sampler": Target("streamer/sampler.py", ("tests/test_sampler_reference.py", "tests/test_sampling.py",
                                                "tests/test_logprobs.py")),
     "detokenizer": Target("streamer/detokenizer.py", ("tests/test_detokeniz*.py", "tests/test_sampling.py")),
