@@ -285,6 +285,10 @@ def test_msgpack_specifics_items_map_keys_ext_types():
     with pytest.raises(ProtocolError) as info:
         decode_job({b"msgpack": items}, Limits(max_items=10))
     assert info.value.code == "bad_encoding" and "exceeds max_array_len(10)" in str(info.value)
+    wide = msgpack.packb({"v": 1, "id": "x", "prompt": "hi", "params": {f"k{i}": i for i in range(11)}})
+    with pytest.raises(ProtocolError) as info:
+        decode_job({b"msgpack": wide}, Limits(max_items=10))
+    assert info.value.code == "bad_encoding" and "exceeds max_map_len(10)" in str(info.value)
     int_keys = msgpack.packb({"v": 1, "id": "x", "prompt": "hi", "params": {1: 2}})
     with pytest.raises(ProtocolError) as info:
         decode_job({b"msgpack": int_keys})
@@ -308,8 +312,14 @@ def test_events_are_not_held_to_job_limits_but_to_their_own_depth():
         assert decode_message(encode(long_text, encoding))["text"] == long_text["text"]
         assert decode_event({encoding: encode(long_text, encoding)})["text"] == long_text["text"]
     deep = {"usage": [[[[[[1]]]]]]}  # 8 levels (the 1 included): as deep as an event may be
-    assert decode_message(encode(deep, "json")) == deep
+    assert decode_message(encode(deep, "json")) == deep == decode_event({"json": encode(deep, "json")})
     with pytest.raises(ProtocolError):
         decode_message(encode({"usage": [[[[[[[1]]]]]]]}, "json"))
     with pytest.raises(ProtocolError):
         decode_event({"json": encode({"usage": [[[[[[[1]]]]]]]}, "json")})
+
+
+def test_an_undecodable_pubsub_message_names_its_encoding():
+    with pytest.raises(ProtocolError) as info:
+        decode_message(b"\xc1")  # never used in msgpack
+    assert info.value.code == "bad_encoding" and str(info.value).startswith("cannot decode msgpack payload")
