@@ -123,7 +123,7 @@ def toml_list(items: list[str] | tuple[str, ...]) -> str:
     return "[" + ", ".join(json.dumps(i) for i in items) + "]"
 
 
-def mutmut_config(target: Target, tests: list[str], timeout_multiplier: float) -> str:
+def mutmut_config(target: Target, tests: list[str], args: argparse.Namespace) -> str:
     return "\n".join([
         "[tool.mutmut]",
         f"source_paths = {toml_list(SOURCE_PATHS)}",
@@ -136,20 +136,23 @@ def mutmut_config(target: Target, tests: list[str], timeout_multiplier: float) -
         # default ("fork": from the process that already ran them) hangs here: torch's thread pools
         # do not survive a fork, so every mutant would end as a timeout.
         'process_isolation = "forkserver"',
-        # A mutant is stopped (and counted as killed, "timeout") after this many times the normal
-        # duration of its tests, plus one second.
-        f"timeout_multiplier = {timeout_multiplier}",
+        # A mutant is stopped (and counted as killed, "timeout") when its tests' process has used
+        # 2 * multiplier * (their normal duration + constant) seconds of CPU time, all threads counted.
+        # mutmut's durations leave out fixture setup (a model built once per module), so the constant
+        # must cover that: with mutmut's 1 s, correct mutants of the engine modules hit the limit.
+        f"timeout_multiplier = {args.timeout_multiplier}",
+        f"timeout_constant = {args.timeout_constant}",
         "",
     ])
 
 
-def prepare(name: str, target: Target, tests: list[str], rev: str | None, timeout_multiplier: float) -> Path:
+def prepare(name: str, target: Target, tests: list[str], args: argparse.Namespace) -> Path:
     """A fresh scratch tree for one module: the sources (from the work tree, or from commit `rev`) and
     pyproject.toml with its [tool.mutmut]."""
     work = WORK / name
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    dirs = (*SOURCE_PATHS, *ALSO_COPY, "tests")
+    dirs, rev = (*SOURCE_PATHS, *ALSO_COPY, "tests"), args.rev
     if rev is None:
         ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", ".pytest_cache")
         for d in dirs:
@@ -162,7 +165,7 @@ def prepare(name: str, target: Target, tests: list[str], rev: str | None, timeou
         project = subprocess.run(["git", "show", f"{rev}:pyproject.toml"], cwd=ROOT, check=True,
                                  capture_output=True, text=True).stdout
     project = re.sub(r"(?ms)^\[tool\.mutmut\]\n.*?(?=^\[|\Z)", "", project)  # ours replaces any there
-    (work / "pyproject.toml").write_text(project.rstrip() + "\n\n" + mutmut_config(target, tests, timeout_multiplier))
+    (work / "pyproject.toml").write_text(project.rstrip() + "\n\n" + mutmut_config(target, tests, args))
     shutil.copy(ROOT / "bench" / f"{PLUGIN}.py", work / f"{PLUGIN}.py")
     (work / "tests.json").write_text(json.dumps(tests))  # for --check
     return work
@@ -209,7 +212,7 @@ def run(name: str, args: argparse.Namespace) -> tuple[dict[str, int] | None, flo
 def run_locked(name: str, args: argparse.Namespace) -> tuple[dict[str, int] | None, float]:
     target = TARGETS[name]
     tests = test_files(target, args.rev)
-    work = prepare(name, target, tests, args.rev, args.timeout_multiplier)
+    work = prepare(name, target, tests, args)
     print(f"== {name}: mutating {target.path}; tests: {' '.join(tests)}", flush=True)
     log = work / "mutmut.log"
     start = time.monotonic()
@@ -239,6 +242,9 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
                         help="stop a mutant after this many times its tests' normal duration, plus 1 s (default: "
                              "mutmut's 15). Lower spends less time on hung mutants (most of the scheduler's run); "
                              "too low on a loaded machine counts slow but correct mutants as killed")
+    parser.add_argument("--timeout-constant", type=float, default=20.0,
+                        help="seconds added to a mutant's tests' normal duration before the multiplier (default 20: "
+                             "covers building the tiny model in a module fixture, which mutmut does not time)")
     parser.add_argument("--survivors", action="store_true",
                         help="also print each mutant that no test failed on, as a diff")
     parser.add_argument("--no-run", action="store_true",
