@@ -109,7 +109,7 @@ def test_an_aborted_beam_search_ends_every_beam_with_its_index(llama_ckpt):
     assert engine.abort_request("beam") and not engine.abort_request("beam")
     (out,) = engine.step()
     assert out.finished and [c.index for c in out.outputs] == [0, 1, 2]
-    assert all(c.finish_reason == "abort" and c.token_ids == [] for c in out.outputs)
+    assert all(c.finish_reason == "abort" and c.token_ids == [] and c.text == "" for c in out.outputs)
     assert engine.stats()["kv_blocks_used"] == 0 and not engine.has_unfinished_requests()
 
 

@@ -41,14 +41,19 @@ def feed(proc: OutputProcessor, seq: Sequence, token: int, finish: tuple[str, in
 
 
 def test_deltas_add_up_to_the_full_decode_and_the_last_output_is_final(tok) -> None:
-    proc, request = OutputProcessor(tok), new_request(tok)
+    proc, request = OutputProcessor(tok), new_request(tok, n=2)
     proc.add_request(request, [])
+    request.sequences[0].num_cached_tokens, request.sequences[1].num_cached_tokens = 16, 0  # the fork found none
     tokens = tok(" " + TEXT).input_ids[:12]
     outs = [feed(proc, request.sequences[0], t, ("length", None) if i == len(tokens) - 1 else None)[0]
             for i, t in enumerate(tokens)]
     assert all(len(o) == 1 for o in outs)
     assert "".join(o[0].outputs[0].text for o in outs) == tok.decode(request.prompt_token_ids + tokens)[len(PROMPT):]
-    assert [o[0].finished for o in outs] == [False] * (len(tokens) - 1) + [True]
+    assert [o[0].finished for o in outs] == [False] * len(tokens)  # sample 1 never finished
+    assert all(o[0].num_cached_tokens == 0 for o in outs)  # the request's least
+    request.sequences[1].num_cached_tokens = 16
+    final = feed(proc, request.sequences[1], tokens[0], ("length", None))[0][0]
+    assert final.finished and final.num_cached_tokens == 16 and final.outputs[0].index == 1
     last = outs[-1][0]
     assert (last.request_id, last.prompt_token_ids, last.prompt) == ("r", request.prompt_token_ids, PROMPT)
     assert last.outputs[0].finish_reason == "length" and last.outputs[0].logprobs is None
@@ -147,11 +152,11 @@ def test_a_finished_beam_search_is_one_final_output(tok) -> None:
     proc = OutputProcessor(tok)
     request = new_request(tok, use_beam_search=True, beam_width=2)
     proc.add_request(request, [])
-    ids = [tok(" Hi").input_ids, tok(" Ho there").input_ids]
+    ids = [tok(" Hi").input_ids + [tok.eos_token_id], tok(" Ho there").input_ids]  # EOS: not in the text
     (out,), stopped = proc.process(EngineCoreOutputs(beam_results=[BeamResult(request, ids, [True, False])]))
     assert out.finished and stopped == [] and (out.prompt, out.prompt_token_ids) == (PROMPT, request.prompt_token_ids)
     assert [(c.index, c.token_ids, c.text, c.finish_reason) for c in out.outputs] == \
-        [(0, ids[0], tok.decode(ids[0]), "stop"), (1, ids[1], tok.decode(ids[1]), "length")]
+        [(0, ids[0], " Hi", "stop"), (1, ids[1], " Ho there", "length")]
     proc.abort(request)  # already over: nothing to hand out
     assert not proc.has_pending()
 
