@@ -95,6 +95,10 @@ class LLMEngine:
             raise ValueError("resume_token_ids has more entries than the request has samples")
         if resume and params.use_beam_search:
             raise ValueError("beam search requests cannot be resumed")
+        vocab = self.model_config.hf_config.vocab_size
+        outside = [t for t in params.stop_token_ids if t >= vocab]
+        if outside:  # they index the logits: refused here, not in the middle of a step
+            raise ValueError(f"stop token id {outside[0]} is outside the vocabulary [0, {vocab})")
         seqs = [Sequence(request_id=request_id, index=i, token_ids=tokens + list(resume[i] if i < len(resume) else []),
                          num_prompt_tokens=len(tokens), params=params, priority=priority) for i in range(params.n)]
         request = Request(request_id, tokens, params, seqs, text)

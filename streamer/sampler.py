@@ -87,7 +87,7 @@ class Sampler:
         if bool((min_p > 0).any()):
             threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
-        top_k = [s.params.top_k if s.params.top_k > 0 else vocab for s in seqs]
+        top_k = [min(s.params.top_k, vocab) if s.params.top_k > 0 else vocab for s in seqs]  # any size is valid
         top_p = [s.params.top_p for s in seqs]
         if min(top_k) < vocab or min(top_p) < 1.0:
             probs = _top_k_top_p(probs, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device))

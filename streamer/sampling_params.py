@@ -92,6 +92,7 @@ class SamplingParams:
         _require(all(s for s in self.stop), "stop strings must not be empty")
         _require(len(self.stop) <= 16, "at most 16 stop strings")
         _require(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0")
+        _require(len(self.stop_token_ids) <= 1024, "at most 1024 stop_token_ids")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _require(-2.0 <= value <= 2.0, f"{name} must be in [-2, 2], got {value}")

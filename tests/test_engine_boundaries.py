@@ -46,6 +46,23 @@ def test_prompt_of_max_model_len_is_refused(short_llm: LLM) -> None:
     assert not short_llm.engine.has_unfinished_requests()
 
 
+def test_parameters_that_would_break_a_step_are_refused_or_harmless(short_llm: LLM) -> None:
+    """A request must never crash the step it shares with others: stop token ids index the logits
+    (refused at admission when outside the vocabulary); any top_k is valid (capped at the vocabulary)."""
+    engine, vocab = short_llm.engine, short_llm.engine.model_config.hf_config.vocab_size
+    with pytest.raises(ValueError, match=f"stop token id {vocab} is outside the vocabulary"):
+        engine.add_request("poison", {"prompt_token_ids": [5, 6]}, SamplingParams(min_tokens=2, stop_token_ids=[vocab]))
+    assert not engine.has_unfinished_requests()
+    huge_k = SamplingParams(top_k=2**64, top_p=0.9, seed=1, max_tokens=4, stop_token_ids=[vocab - 1], min_tokens=2)
+    outs = short_llm.generate([{"prompt_token_ids": prompt_of(5)}] * 2, huge_k)
+    assert all(o.finished and 1 <= len(o.outputs[0].token_ids) <= 4 for o in outs)
+    off = SamplingParams(top_k=-1, top_p=0.9, seed=1, max_tokens=4, stop_token_ids=[vocab - 1], min_tokens=2)
+    assert [o.outputs[0].token_ids for o in short_llm.generate([{"prompt_token_ids": prompt_of(5)}], off)] == \
+        [outs[0].outputs[0].token_ids]  # top_k beyond the vocabulary is top_k off
+    with pytest.raises(ValueError, match="at most 1024 stop_token_ids"):
+        SamplingParams(stop_token_ids=list(range(1025)))
+
+
 def test_max_tokens_is_exact(short_llm: LLM) -> None:
     for n in (1, 2, 7):
         out = short_llm.generate({"prompt_token_ids": prompt_of(5)}, SamplingParams(temperature=0.0, max_tokens=n,
