@@ -34,6 +34,9 @@ BAD = [
     (job("too-long", prompt_token_ids=[7] * 5000, params=GOOD), "too-long", "invalid_request"),
     (job("bad-token", prompt_token_ids=[10**9], params=GOOD), "bad-token", "invalid_request"),
     (job("bad-chat", messages=[{"role": "user", "content": 3}]), "bad-chat", "invalid_request"),
+    # Used to crash the engine step (and the worker) once min_tokens masked the id in the logits.
+    (job("poison-stop-id", prompt="hi", params={"min_tokens": 2, "stop_token_ids": [100000]}), "poison-stop-id",
+     "invalid_request"),
 ]
 
 
