@@ -119,14 +119,18 @@ class BlockManager:
     def blocks_needed(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> int:
         """Free blocks that `allocate(seq, num_new_tokens, hit)` would take (a cached hit that
         nobody references sits in the free queue, so reviving it takes one too)."""
-        table = self.block_table(seq)
+        return self._plan(seq, self.block_table(seq), num_new_tokens, hit)[0]
+
+    def _plan(self, seq: Sequence, table: list[int], num_new_tokens: int, hit: PrefixHit | None
+              ) -> tuple[int, bool]:
+        """(free blocks needed, whether the shared last block must be copied first)."""
         if hit is not None and hit.block_ids:
             total = hit.num_tokens + num_new_tokens
             revived = sum(1 for b in hit.block_ids if self.blocks[b].ref_count == 0)
-            return -(-total // self.block_size) - len(hit.block_ids) + revived
+            return -(-total // self.block_size) - len(hit.block_ids) + revived, False
         total = seq.num_computed_tokens + num_new_tokens
-        needed = max(0, -(-total // self.block_size) - len(table))
-        return needed + (1 if self._needs_copy(seq, table) else 0)
+        copy = self._needs_copy(seq, table)
+        return max(0, -(-total // self.block_size) - len(table)) + copy, copy
 
     def _needs_copy(self, seq: Sequence, table: list[int]) -> bool:
         """The next token goes into a partly filled block that another sequence shares."""
@@ -139,7 +143,8 @@ class BlockManager:
         """Give `seq` enough blocks to hold `num_new_tokens` more tokens, after the cached `hit`
         (for a sequence holding none yet): all of it, or nothing and False. A shared, partly
         filled last block is copied first (copy-on-write)."""
-        if self.blocks_needed(seq, num_new_tokens, hit) > self.num_free_blocks:
+        needed, copy = self._plan(seq, self.block_table(seq), num_new_tokens, hit)
+        if needed > self.num_free_blocks:
             return False
         table = self.tables.setdefault(seq.seq_id, [])
         computed = seq.num_computed_tokens
@@ -149,7 +154,7 @@ class BlockManager:
             table.extend(hit.block_ids)
             self.hashes[seq.seq_id] = list(hit.block_hashes)
             computed = hit.num_tokens
-        elif self._needs_copy(seq, table):
+        elif copy:
             index = computed // self.block_size
             shared = table[index]
             table[index] = self._take_free()
