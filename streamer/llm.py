@@ -76,3 +76,4 @@ def _merge(merged: dict[str, RequestOutput], delta: RequestOutput) -> None:
     current.outputs.sort(key=lambda c: c.index)
     current.finished = delta.finished
     current.num_cached_tokens = delta.num_cached_tokens
+    current.error = delta.error

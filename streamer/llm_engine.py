@@ -13,6 +13,7 @@ import torch
 from streamer.config import EngineConfig
 from streamer.errors import ConfigError
 from streamer.executor import make_executor
+from streamer.fault_isolation import execute_isolated
 from streamer.model_config import ModelConfig
 from streamer.output_processor import OutputProcessor
 from streamer.outputs import RequestOutput
@@ -105,19 +106,20 @@ class LLMEngine:
         self.scheduler.add_request(request, resumed=bool(resume))
         self.output_processor.add_request(request, resume)
 
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(self, request_id: str, error: str | None = None) -> bool:
+        """Stop a request; with `error`, its last output says why it failed (finish_reason "error")."""
         request = self.scheduler.abort_request(request_id)
         if request is None:
             return False
-        self.output_processor.abort(request)
+        self.output_processor.abort(request, error)
         return True
 
     # ---- one iteration -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        scheduled = self.scheduler.schedule()
-        model_output = self.runner.execute(scheduled.scheduled, scheduled.block_copies) if scheduled.scheduled \
-            else ([], None)
-        core = self.scheduler.update_from_output(scheduled, model_output)
+        step = execute_isolated(self.runner, self.scheduler.schedule())
+        for request_id, reason in step.failed.items():  # the others' step goes on without them
+            self.abort_request(request_id, error=reason)
+        core = self.scheduler.update_from_output(step.scheduled, step.model_output)
         outputs, stopped = self.output_processor.process(core)
         for seq in stopped:  # a stop string ended it: free its blocks before the next step
             self.scheduler.finish(seq)

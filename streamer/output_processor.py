@@ -56,8 +56,9 @@ class OutputProcessor:
                 samples[seq.index] = SeqText(detok)
         self._states[request.request_id] = RequestState(request, samples)
 
-    def abort(self, request: Request) -> None:
-        """The final output of an aborted request, handed out by the next `process`."""
+    def abort(self, request: Request, error: str | None = None) -> None:
+        """The final output of an aborted request (failed, with `error`), handed out by the next
+        `process`."""
         state = self._states.pop(request.request_id, None)
         if state is None:
             return
@@ -65,13 +66,15 @@ class OutputProcessor:
         for seq in request.sequences:
             sample = state.samples.get(seq.index)
             if sample is not None and sample.finish_reason is None:
-                sample.finish_reason = "abort"
+                sample.finish_reason = "abort" if error is None else "error"
             completions.append(CompletionOutput(
                 index=seq.index, text=sample.detokenizer.delta(finished=True) if sample else "", token_ids=[],
-                finish_reason=sample.finish_reason if sample else "abort",
+                finish_reason=sample.finish_reason if sample else "abort" if error is None else "error",
                 stop_reason=sample.stop_reason if sample else None,
                 logprobs=[] if request.params.logprobs is not None else None))
-        self._aborted.append(self._request_output(state, completions, finished=True))
+        output = self._request_output(state, completions, finished=True)
+        output.error = error
+        self._aborted.append(output)
 
     def has_pending(self) -> bool:
         return bool(self._aborted)

@@ -10,7 +10,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # None while running; "stop" | "length" | "abort"
+    finish_reason: str | None = None  # None while running; "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
 
@@ -23,3 +23,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     prompt: str | None = field(default=None, repr=False)
+    error: str | None = None  # why the engine could not run this request (finish_reason "error")

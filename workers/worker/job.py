@@ -167,6 +167,9 @@ class JobRunner:
         emitted = {k: len(v) for k, v in state.token_ids.items()}  # counts include a resumed run's
         reasons: dict[int, str] = {}
         while True:
+            if out.error is not None:  # the engine ran everyone else's step without this request
+                await self.answers.fail(run, "internal", f"the engine could not run this request: {out.error}")
+                return
             events = []
             for c in out.outputs:
                 if c.token_ids:
