@@ -58,6 +58,11 @@ class Names:
         """Claim on a request id: holds the request-stream entry id that owns it (duplicate ids)."""
         return f"{self.prefix}:job:{request_id}"
 
+    def fence(self, request_id: str) -> str:
+        """Ownership epoch of a request: raised by every claim of its job (first read or takeover);
+        event writes carrying an older epoch are refused, so a worker that lost the job cannot write."""
+        return f"{self.prefix}:fence:{request_id}"
+
     def cancelled(self, request_id: str) -> str:
         """Marker set by clients on cancel, so a job cancelled before any worker read it is not run."""
         return f"{self.prefix}:cancelled:{request_id}"

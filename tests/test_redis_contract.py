@@ -133,6 +133,40 @@ async def test_two_workers_resuming_one_request_publish_each_seq_once(r: aioredi
 
 
 @pytest.mark.anyio
+async def test_writes_of_a_fenced_off_owner_are_refused_and_reported(r: aioredis.Redis, redis_url: str) -> None:
+    """A takes the job (epoch 1), is presumed dead and B claims it (epoch 2). Everything A writes from
+    then on, events and its ack, is refused whole and reported to A (so it drops the job), while B's
+    writes and ack land: the stream is A's events before the takeover, then B's, nothing mixed."""
+    rid = "fenced"
+    await r.xgroup_create(NAMES.requests, NAMES.group, id="0", mkstream=True)
+    entry = (await r.xadd(NAMES.requests, {"json": b"{}"})).decode()
+    await r.xreadgroup(NAMES.group, "a", {NAMES.requests: ">"})
+    await r.set(NAMES.fence(rid), 1)
+    fenced: list[tuple[str, int]] = []
+    writer_a = EventWriter(r, NAMES, TTL_MS, on_fenced=lambda *f: fenced.append(f))
+    a = tokens(rid, range(4))
+    b = [{**e, "text": "b"} for e in tokens(rid, range(2, 4))]
+    a_written: list[str] = []
+    writer_a.put(Write(rid, "json", a[:2], epoch=1, on_written=recorder(a_written, "a:0-1")))
+    writer_a.close()
+    await writer_a.run()
+    assert await r.incr(NAMES.fence(rid)) == 2  # B's claim
+    writer_a = EventWriter(r, NAMES, TTL_MS, on_fenced=lambda *f: fenced.append(f))
+    writer_a.put(Write(rid, "json", [*a[2:], done_event(rid, 4, ["length"], {})], ack_entry=entry, epoch=1,
+                       on_written=recorder(a_written, "a:2-4")))
+    writer_a.put(Write("bystander", "json", tokens("bystander", range(1)), epoch=1))
+    writer_a.close()
+    await writer_a.run()
+    assert fenced == [(rid, 1)] and a_written == ["a:0-1"]
+    assert (await r.xpending(NAMES.requests, NAMES.group))["pending"] == 1  # A's ack was refused too
+    await flush(r, Write(rid, "json", [*b, done_event(rid, 4, ["length"], {})], ack_entry=entry, epoch=2))
+    assert read_events(redis_url, rid)[:4] == [*a[:2], *b]
+    assert read_events(redis_url, "bystander") == tokens("bystander", range(1))  # no fence: not refused
+    assert await r.xlen(NAMES.requests) == 0
+    assert 0 < await r.pttl(NAMES.fence(rid)) <= TTL_MS
+
+
+@pytest.mark.anyio
 async def test_event_stream_expires_and_each_write_renews_it(r: aioredis.Redis) -> None:
     rid = "ttl"
     key = NAMES.events(rid)
@@ -420,7 +454,7 @@ async def test_every_key_a_finished_job_leaves_expires(llama_ckpt: Path, redis_u
     unbounded = {k: t for k, t in ttls.items() if not 0 < t <= TTL_MS}
     assert not unbounded, f"keys without a TTL (-1) or with one over {TTL_MS} ms: {unbounded}"
     expected = ({NAMES.events(rid) for rid in finished} | {NAMES.job(rid) for rid in finished}
-                | {NAMES.cancelled("early-cancel")})
+                | {NAMES.fence(rid) for rid in finished} | {NAMES.cancelled("early-cancel")})
     assert set(ttls) == expected  # the check above covered every kind of key (and nothing unknown)
     for rid in finished:
         # The claim, set when the job was read, is renewed by the ack: it must not expire before the

@@ -38,7 +38,8 @@ class Answers:
         run.next_seq += len(events)
         entry = run.entry_id
         self.writer.put(Write(run.job.id, run.job.encoding, events, ack_entry=entry if final else None,
-                              on_written=(lambda: self.state.release_entry(entry)) if final else None))
+                              on_written=(lambda: self.state.release_entry(entry)) if final else None,
+                              epoch=run.epoch))
 
     async def fail(self, run: RunningJob, code: str, message: str) -> None:
         """Answer a job we own with an error event and keep it in the dead letters."""
@@ -56,7 +57,7 @@ class Answers:
             await self.ack(d.entry_id)  # never write into another request's stream
             return
         job = Job(id=error.request_id, encoding=_encoding_of(d.fields))
-        self.emit(RunningJob(job, d.entry_id, d.state.next_seq, d.fields), [], error=error)
+        self.emit(RunningJob(job, d.entry_id, d.state.next_seq, d.fields, epoch=d.epoch), [], error=error)
 
     async def finish_with_error(self, d: Delivery, code: str, message: str) -> None:
         run = self.state.running.get(d.request_id or "")

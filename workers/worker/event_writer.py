@@ -20,25 +20,55 @@ from clients.protocol import Names, encode, event_stream_id
 log = logging.getLogger("streamer.worker")
 
 # Append each event under its explicit id 0-(seq+1) and publish it only if the append succeeded: an
-# event Redis already holds (a retried pipeline, or two workers resuming one request) is skipped, so
-# neither the stream nor the channel ever sees a seq twice. One call carries a whole flush:
-# KEYS = event streams; ARGV = ttl, then per key: count, channel, field, count x (entry id, payload).
+# event Redis already holds (a retried pipeline) is skipped, so neither the stream nor the channel
+# ever sees a seq twice. Each request's events carry the ownership epoch its worker claimed the job
+# with; if a later claim (a takeover) raised the request's fence, they are refused whole and the
+# request is reported, so a worker presumed dead can never write into the new owner's answer.
+# One call carries a whole flush: KEYS = per request: event stream, fence; ARGV = ttl, then per
+# request: count, channel, field, epoch, count x (entry id, payload). Returns the refused requests
+# (their positions in KEYS / 2, from 1). A fence Redis does not hold (it lost its data) refuses nothing.
 _APPEND_AND_PUBLISH = """
-local pos, written = 2, 0
-for k = 1, #KEYS do
-  local n, channel, field = tonumber(ARGV[pos]), ARGV[pos + 1], ARGV[pos + 2]
-  pos = pos + 3
-  for _ = 1, n do
-    local r = redis.pcall('XADD', KEYS[k], ARGV[pos], field, ARGV[pos + 1])
-    if type(r) ~= 'table' or not r.err then
-      redis.call('PUBLISH', channel, ARGV[pos + 1])
-      written = written + 1
+local pos, refused = 2, {}
+for k = 1, #KEYS, 2 do
+  local n, channel, field, epoch = tonumber(ARGV[pos]), ARGV[pos + 1], ARGV[pos + 2], ARGV[pos + 3]
+  pos = pos + 4
+  local current = redis.call('GET', KEYS[k + 1])
+  if current and current ~= epoch then
+    refused[#refused + 1] = (k + 1) / 2
+    pos = pos + 2 * n
+  else
+    for _ = 1, n do
+      local r = redis.pcall('XADD', KEYS[k], ARGV[pos], field, ARGV[pos + 1])
+      if type(r) ~= 'table' or not r.err then
+        redis.call('PUBLISH', channel, ARGV[pos + 1])
+      end
+      pos = pos + 2
     end
-    pos = pos + 2
+    redis.call('PEXPIRE', KEYS[k], ARGV[1])
+    redis.call('PEXPIRE', KEYS[k + 1], ARGV[1])
   end
-  redis.call('PEXPIRE', KEYS[k], ARGV[1])
 end
-return written
+return refused
+"""
+
+# Finished jobs leave the requests stream (XACK + XDEL) unless a later claim fenced them off (the new
+# owner acks); their id claim and fence live as long as their events.
+# KEYS = requests stream, then per job: fence, id claim; ARGV = group, ttl, then per job: entry, epoch.
+# Returns the refused jobs (their positions, from 1).
+_ACK_IF_OWNER = """
+local refused = {}
+for j = 2, #KEYS, 2 do
+  local entry, epoch, current = ARGV[j + 1], ARGV[j + 2], redis.call('GET', KEYS[j])
+  if current and current ~= epoch then
+    refused[#refused + 1] = j / 2
+  else
+    redis.call('PEXPIRE', KEYS[j], ARGV[2])
+    redis.call('PEXPIRE', KEYS[j + 1], ARGV[2])
+    redis.call('XACK', KEYS[1], ARGV[1], entry)
+    redis.call('XDEL', KEYS[1], entry)
+  end
+end
+return refused
 """
 
 
@@ -51,12 +81,18 @@ class Write:
     events: list[dict] = field(default_factory=list)
     ack_entry: str | None = None
     on_written: Callable[[], None] | None = None  # called once Redis holds the events (and the ack)
+    epoch: int = 0  # the ownership epoch the job was claimed with (Names.fence)
 
 
 class EventWriter:
-    def __init__(self, redis: Redis, names: Names, events_ttl_ms: int) -> None:
-        self.redis, self.names, self.ttl_ms = redis, names, events_ttl_ms
-        self._script = redis.register_script(_APPEND_AND_PUBLISH)
+    """`on_fenced(request_id, epoch)`: Redis refused a request's writes because another worker
+    claimed the job since (this one was presumed dead); that job must stop here at once."""
+
+    def __init__(self, redis: Redis, names: Names, events_ttl_ms: int,
+                 on_fenced: Callable[[str, int], None] = lambda request_id, epoch: None) -> None:
+        self.redis, self.names, self.ttl_ms, self.on_fenced = redis, names, events_ttl_ms, on_fenced
+        self._append = redis.register_script(_APPEND_AND_PUBLISH)
+        self._ack = redis.register_script(_ACK_IF_OWNER)
         self._pending: list[Write] = []
         self._wake = anyio.Event()
         self._closed = False
@@ -90,7 +126,7 @@ class EventWriter:
                 continue
             batch, self._pending = self._pending, []
             try:
-                await self._send(batch)
+                fenced = await self._send(batch)
             except TRANSIENT as e:
                 self._pending[:0] = batch  # nothing is lost: the retry is idempotent
                 await backoff.sleep(e)
@@ -100,30 +136,23 @@ class EventWriter:
                 raise
             backoff.reset()
             for write in batch:
+                if (write.request_id, write.epoch) in fenced:
+                    continue
                 if write.on_written is not None:
                     write.on_written()
+            for request_id, epoch in fenced:
+                self.on_fenced(request_id, epoch)
 
-    async def _send(self, batch: list[Write]) -> None:
-        names = self.names
-        keys: list[str] = []
-        args: list[str | bytes | int] = [self.ttl_ms]
+    async def _send(self, batch: list[Write]) -> set[tuple[str, int]]:
+        """One round trip: the events, then the acks of finished jobs, both fenced; returns the
+        (request, epoch)s Redis refused."""
+        with_events = [w for w in batch if w.events]
         acks = [w for w in batch if w.ack_entry is not None]
-        for w in batch:
-            if w.events:
-                keys.append(names.events(w.request_id))
-                args += [len(w.events), names.tokens(w.request_id), w.encoding]
-                for event in w.events:
-                    args += [event_stream_id(event["seq"]), encode(event, w.encoding)]
         async with self.redis.pipeline(transaction=False) as pipe:
-            if keys:
-                await self._script(keys=keys, args=args, client=pipe)
+            if with_events:
+                await self._append(*self._append_args(with_events), client=pipe)
             if acks:
-                # Finished jobs leave the requests stream; their id claims live as long as their events.
-                entries = [w.ack_entry for w in acks]
-                pipe.xack(names.requests, names.group, *entries)
-                pipe.xdel(names.requests, *entries)
-                for w in acks:
-                    pipe.pexpire(names.job(w.request_id), self.ttl_ms)
+                await self._ack(*self._ack_args(acks), client=pipe)
             replies = await pipe.execute(raise_on_error=False)
         self.round_trips += 1
         for reply in replies:
@@ -133,3 +162,27 @@ class EventWriter:
                 if isinstance(reply, TRANSIENT):
                     raise reply
                 log.warning("event writer: Redis refused a write: %s", reply)
+        refused = [(with_events, replies[0])] if with_events else []
+        refused += [(acks, replies[-1])] if acks else []
+        return {(writes[k - 1].request_id, writes[k - 1].epoch) for writes, reply in refused
+                if not isinstance(reply, Exception) for k in reply}
+
+    def _append_args(self, writes: list[Write]) -> tuple[list[str], list[str | bytes | int]]:
+        names = self.names
+        keys: list[str] = []
+        args: list[str | bytes | int] = [self.ttl_ms]
+        for w in writes:
+            keys += [names.events(w.request_id), names.fence(w.request_id)]
+            args += [len(w.events), names.tokens(w.request_id), w.encoding, w.epoch]
+            for event in w.events:
+                args += [event_stream_id(event["seq"]), encode(event, w.encoding)]
+        return keys, args
+
+    def _ack_args(self, acks: list[Write]) -> tuple[list[str], list[str | bytes | int]]:
+        names = self.names
+        keys = [names.requests]
+        args: list[str | bytes | int] = [names.group, self.ttl_ms]
+        for w in acks:
+            keys += [names.fence(w.request_id), names.job(w.request_id)]
+            args += [w.ack_entry or "", w.epoch]
+        return keys, args

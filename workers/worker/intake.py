@@ -23,6 +23,22 @@ from workers.worker.state import Delivery, WorkerState, as_str
 
 log = logging.getLogger("streamer.worker")
 
+# Claim a request id for a job entry: the first entry to claim an id owns it (later ones are
+# duplicates). The owner's claim raises the id's fence (ownership epoch), so writes of a worker that
+# claimed it before (and was presumed dead) are refused from now on; the events read after this in
+# the same round trip are all the new owner resumes from.
+# KEYS = id claim, fence; ARGV = entry id, ttl. Returns {owner entry, epoch (0 when not the owner)}.
+_CLAIM = """
+redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
+local owner = redis.call('GET', KEYS[1])
+if owner ~= ARGV[1] then
+  return {owner, 0}
+end
+local epoch = redis.call('INCR', KEYS[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+return {owner, epoch}
+"""
+
 
 class Intake:
     """Reads entries while the engine has room and starts a `JobRunner` task for each in `jobs`."""
@@ -30,6 +46,7 @@ class Intake:
     def __init__(self, redis: Redis, config: WorkerConfig, state: WorkerState, runner: JobRunner) -> None:
         self.redis, self.cfg, self.names = redis, config, config.names
         self.state, self.runner = state, runner
+        self._claim = redis.register_script(_CLAIM)
 
     async def ensure_group(self) -> None:
         backoff = Backoff("create group", log)
@@ -90,7 +107,7 @@ class Intake:
         if with_ids:
             replies = await retry("load jobs", log, lambda: self._load_pipeline(with_ids))
             for i, d in enumerate(with_ids):
-                self._load(d, replies[4 * i: 4 * i + 4])
+                self._load(d, replies[3 * i: 3 * i + 3])
         for d in batch:
             self.state.job_read(d.entry_id, d.request_id or "")
             jobs.start_soon(self.runner.run, d, name=f"job {d.entry_id}")
@@ -106,12 +123,13 @@ class Intake:
     @staticmethod
     def _load(d: Delivery, replies: list[Any]) -> None:
         """Fill in what Redis said about the delivery's id: its owner, earlier events, a cancel marker."""
-        _, owner, events, cancelled = replies
+        claim, events, cancelled = replies
         try:
-            for reply in (owner, events, cancelled):
+            for reply in (claim, events, cancelled):
                 if isinstance(reply, Exception):  # e.g. WRONGTYPE: a key of ours holds something else
                     raise ValueError(str(reply))
-            d.ours, d.cancelled = as_str(owner) == d.entry_id, bool(cancelled)
+            owner, epoch = claim
+            d.ours, d.epoch, d.cancelled = as_str(owner) == d.entry_id, int(epoch), bool(cancelled)
             d.state = resume_state(events)
         except (ValueError, KeyError, TypeError) as e:  # someone else wrote there: stay out of it
             d.job, d.error = None, ProtocolError("damaged_events", f"keys of {d.request_id!r}: {e}")
@@ -121,8 +139,8 @@ class Intake:
         async with self.redis.pipeline(transaction=False) as pipe:
             for d in batch:
                 request_id = d.request_id or ""
-                pipe.set(self.names.job(request_id), d.entry_id, nx=True, px=ttl)
-                pipe.get(self.names.job(request_id))
+                await self._claim(keys=[self.names.job(request_id), self.names.fence(request_id)],
+                                  args=[d.entry_id, ttl], client=pipe)
                 pipe.xrange(self.names.events(request_id))
                 pipe.exists(self.names.cancelled(request_id))
             return await pipe.execute(raise_on_error=False)

@@ -71,7 +71,7 @@ class JobRunner:
         if state.finished:  # answered before, only the ack was lost
             await self.answers.ack(entry_id)
             return
-        run = RunningJob(job, entry_id, state.next_seq, d.fields)
+        run = RunningJob(job, entry_id, state.next_seq, d.fields, epoch=d.epoch)
         deliveries = d.deliveries
         if deliveries > self.cfg.max_deliveries:
             await self.answers.fail(run, "too_many_deliveries",

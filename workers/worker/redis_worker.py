@@ -43,7 +43,8 @@ class Worker:
         self.engine, self.cfg, self.names = engine, config, config.names
         self.redis = Redis.from_url(config.redis_url, socket_connect_timeout=2)
         self.state = WorkerState(engine.admission_capacity)
-        self.writer = EventWriter(self.redis, self.names, int(config.events_ttl_s * 1000))
+        self.writer = EventWriter(self.redis, self.names, int(config.events_ttl_s * 1000),
+                                  on_fenced=self.state.fenced)
         self.answers = Answers(self.redis, config, self.state, self.writer)
         self.runner = JobRunner(engine, config, self.state, self.answers)
         self.intake = Intake(self.redis, config, self.state, self.runner)

@@ -8,6 +8,7 @@ jobs up. They change it only through these methods and fields, never keep a copy
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from clients.errors import ProtocolError
 from clients.protocol import Job
 from clients.resume import ResumeState
 
+log = logging.getLogger("streamer.worker")
 _MAX_REMEMBERED_CANCELS = 10_000
 
 
@@ -33,6 +35,7 @@ class Delivery:
     job: Job | None = None
     error: ProtocolError | None = None  # could not be decoded or validated
     ours: bool = False  # the request id belongs to this entry (not a duplicate)
+    epoch: int = 0  # ownership epoch of this claim (Names.fence); 0 when not ours
     state: ResumeState = field(default_factory=ResumeState)
     cancelled: bool = False
 
@@ -47,6 +50,7 @@ class RunningJob:
     entry_id: str
     next_seq: int
     fields: Any = None  # the raw entry, kept for dead letters
+    epoch: int = 0  # ownership epoch: Redis refuses our writes once another worker claims the job
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
 
 
@@ -117,6 +121,17 @@ class WorkerState:
     async def wait_idle(self) -> None:
         """Until no job is in flight or being admitted."""
         await self._idle.wait()
+
+    def fenced(self, request_id: str, epoch: int) -> None:
+        """Redis refused our writes for the job claimed with `epoch`: another worker took it over
+        (this one was presumed dead). Stop it here at once and stop refreshing its entry."""
+        run = self.running.get(request_id)
+        if run is None or run.epoch != epoch:
+            return
+        log.warning("request %s: taken over by another worker (epoch %d is stale), stopping here",
+                    request_id, epoch)
+        self.release_entry(run.entry_id)
+        run.scope.cancel()
 
     def release_entry(self, entry_id: str) -> str | None:
         """The entry left the requests stream (or another worker took it): stop refreshing it."""
