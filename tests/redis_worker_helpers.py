@@ -52,9 +52,10 @@ async def running_worker(ckpt: Path, redis_url: str, engine: dict | None = None,
                 worker.request_stop()
 
 
-def worker_process(ckpt: Path, redis_url: str, *extra: str, log_path: Path | None = None) -> subprocess.Popen:
-    """`streamer worker` as a real child process."""
-    args = [sys.executable, "-m", "workers.cli", "worker", "--model", str(ckpt), "--redis", redis_url,
+def worker_process(ckpt: Path, redis_url: str, *extra: str, log_path: Path | None = None,
+                   program: tuple[str, ...] = ("-m", "workers.cli")) -> subprocess.Popen:
+    """`streamer worker` as a real child process (`program`: what python runs instead of the CLI)."""
+    args = [sys.executable, *program, "worker", "--model", str(ckpt), "--redis", redis_url,
             "--num-kv-blocks", str(ENGINE["num_kv_blocks"]), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
             *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

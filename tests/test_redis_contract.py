@@ -141,7 +141,7 @@ async def test_writes_of_a_fenced_off_owner_are_refused_and_reported(r: aioredis
     await r.xgroup_create(NAMES.requests, NAMES.group, id="0", mkstream=True)
     entry = (await r.xadd(NAMES.requests, {"json": b"{}"})).decode()
     await r.xreadgroup(NAMES.group, "a", {NAMES.requests: ">"})
-    await r.set(NAMES.fence(rid), 1)
+    await r.hset(NAMES.fence(rid), "epoch", 1)
     fenced: list[tuple[str, int]] = []
     writer_a = EventWriter(r, NAMES, TTL_MS, on_fenced=lambda *f: fenced.append(f))
     a = tokens(rid, range(4))
@@ -150,7 +150,7 @@ async def test_writes_of_a_fenced_off_owner_are_refused_and_reported(r: aioredis
     writer_a.put(Write(rid, "json", a[:2], epoch=1, on_written=recorder(a_written, "a:0-1")))
     writer_a.close()
     await writer_a.run()
-    assert await r.incr(NAMES.fence(rid)) == 2  # B's claim
+    assert await r.hincrby(NAMES.fence(rid), "epoch", 1) == 2  # B's claim
     writer_a = EventWriter(r, NAMES, TTL_MS, on_fenced=lambda *f: fenced.append(f))
     writer_a.put(Write(rid, "json", [*a[2:], done_event(rid, 4, ["length"], {})], ack_entry=entry, epoch=1,
                        on_written=recorder(a_written, "a:2-4")))

@@ -32,7 +32,7 @@ local pos, refused = 2, {}
 for k = 1, #KEYS, 2 do
   local n, channel, field, epoch = tonumber(ARGV[pos]), ARGV[pos + 1], ARGV[pos + 2], ARGV[pos + 3]
   pos = pos + 4
-  local current = redis.call('GET', KEYS[k + 1])
+  local current = redis.call('HGET', KEYS[k + 1], 'epoch')
   if current and current ~= epoch then
     refused[#refused + 1] = (k + 1) / 2
     pos = pos + 2 * n
@@ -58,7 +58,7 @@ return refused
 _ACK_IF_OWNER = """
 local refused = {}
 for j = 2, #KEYS, 2 do
-  local entry, epoch, current = ARGV[j + 1], ARGV[j + 2], redis.call('GET', KEYS[j])
+  local entry, epoch, current = ARGV[j + 1], ARGV[j + 2], redis.call('HGET', KEYS[j], 'epoch')
   if current and current ~= epoch then
     refused[#refused + 1] = j / 2
   else

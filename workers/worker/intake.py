@@ -17,6 +17,7 @@ from clients.backoff import TRANSIENT, Backoff, retry
 from clients.errors import ProtocolError
 from clients.protocol import decode_job
 from clients.resume import resume_state
+from workers.worker.attempts import PreviousAttempt
 from workers.worker.config import WorkerConfig
 from workers.worker.job import JobRunner
 from workers.worker.state import Delivery, WorkerState, as_str
@@ -26,17 +27,23 @@ log = logging.getLogger("streamer.worker")
 # Claim a request id for a job entry: the first entry to claim an id owns it (later ones are
 # duplicates). The owner's claim raises the id's fence (ownership epoch), so writes of a worker that
 # claimed it before (and was presumed dead) are refused from now on; the events read after this in
-# the same round trip are all the new owner resumes from.
-# KEYS = id claim, fence; ARGV = entry id, ttl. Returns {owner entry, epoch (0 when not the owner)}.
+# the same round trip are all the new owner resumes from. It also hands back the record of the
+# previous attempt (attempts.py): the seq it entered the engine at (-1: it never did), and whether alone.
+# KEYS = id claim, fence hash; ARGV = entry id, ttl. Returns {owner entry, epoch (0 when not the
+# owner), previous attempt's seq, alone}.
 _CLAIM = """
 redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
 local owner = redis.call('GET', KEYS[1])
 if owner ~= ARGV[1] then
-  return {owner, 0}
+  return {owner, 0, -1, 0}
 end
-local epoch = redis.call('INCR', KEYS[2])
+local prev = redis.call('HMGET', KEYS[2], 'epoch', 'started', 'seq', 'alone')
+local epoch = redis.call('HINCRBY', KEYS[2], 'epoch', 1)
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
-return {owner, epoch}
+if prev[1] and prev[2] == prev[1] then
+  return {owner, epoch, tonumber(prev[3]), tonumber(prev[4])}
+end
+return {owner, epoch, -1, 0}
 """
 
 
@@ -128,9 +135,10 @@ class Intake:
             for reply in (claim, events, cancelled):
                 if isinstance(reply, Exception):  # e.g. WRONGTYPE: a key of ours holds something else
                     raise ValueError(str(reply))
-            owner, epoch = claim
+            owner, epoch, started_seq, alone = claim
             d.ours, d.epoch, d.cancelled = as_str(owner) == d.entry_id, int(epoch), bool(cancelled)
             d.state = resume_state(events)
+            d.previous = PreviousAttempt(int(started_seq), bool(alone))
         except (ValueError, KeyError, TypeError) as e:  # someone else wrote there: stay out of it
             d.job, d.error = None, ProtocolError("damaged_events", f"keys of {d.request_id!r}: {e}")
 

@@ -20,6 +20,7 @@ from clients.resume import ResumeState
 from streamer import RequestOutput, SamplingParams
 from streamer.errors import EngineDeadError, QueueFullError
 from workers.worker.answers import Answers
+from workers.worker.attempts import Attempts
 from workers.worker.config import WorkerConfig
 from workers.worker.engine import Engine
 from workers.worker.state import Delivery, RunningJob, WorkerState
@@ -31,8 +32,9 @@ OutputStream = AsyncGenerator[RequestOutput, None]
 class JobRunner:
     """The task of one job, from its checks to its last event (answered through `Answers`)."""
 
-    def __init__(self, engine: Engine, config: WorkerConfig, state: WorkerState, answers: Answers) -> None:
-        self.engine, self.cfg, self.state, self.answers = engine, config, state, answers
+    def __init__(self, engine: Engine, config: WorkerConfig, state: WorkerState, answers: Answers,
+                 attempts: Attempts) -> None:
+        self.engine, self.cfg, self.state, self.answers, self.attempts = engine, config, state, answers, attempts
 
     async def run(self, d: Delivery) -> None:
         """The task of one delivery (intake started it after `WorkerState.job_read`)."""
@@ -77,6 +79,12 @@ class JobRunner:
             await self.answers.fail(run, "too_many_deliveries",
                              f"job was delivered {deliveries} times without finishing")
             return
+        if d.suspect and d.previous.alone:
+            await self.answers.fail(run, "crashed_worker", "the job was running alone in the engine when its "
+                                    "worker died, before any output: it is not handed to another worker")
+            return
+        if d.suspect:
+            log.warning("request %s: its worker died while it entered the engine; running it alone", job.id)
         try:
             params = SamplingParams.from_dict(job.params)
         except (TypeError, ValueError) as e:
@@ -91,22 +99,25 @@ class JobRunner:
             return
         self.state.running[job.id] = run
         with run.scope:
-            await self._generate(run, params, state, resume, admitted)
+            await self._generate(run, params, d, resume, admitted)
 
-    async def _generate(self, run: RunningJob, params: SamplingParams, state: ResumeState,
+    async def _generate(self, run: RunningJob, params: SamplingParams, d: Delivery,
                         resume: list[list[int]] | None, admitted: list[bool]) -> None:
         prompt = await self._prompt(run)
         if prompt is None:
             return
+        await self.state.enter_engine(d.suspect)
         try:
+            await self.attempts.record_start(run.job.id, run.epoch, run.next_seq, alone=d.suspect)
             started = await self._admit(run, prompt, params, resume)
         finally:
             admitted[0] = True
             self.state.admitted()
+            self.state.proven(d.suspect)
         if started is not None:
             stream, first = started
             try:
-                await self._relay(run, params, state, stream, first)
+                await self._relay(run, params, d.state, stream, first)
             finally:
                 await stream.aclose()  # aborts the request in the engine unless it finished
 

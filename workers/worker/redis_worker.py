@@ -23,6 +23,7 @@ from redis.asyncio import Redis
 
 from clients.backoff import TRANSIENT
 from workers.worker.answers import Answers
+from workers.worker.attempts import Attempts
 from workers.worker.cancel import CancelListener
 from workers.worker.config import WorkerConfig
 from workers.worker.engine import Engine
@@ -46,7 +47,7 @@ class Worker:
         self.writer = EventWriter(self.redis, self.names, int(config.events_ttl_s * 1000),
                                   on_fenced=self.state.fenced)
         self.answers = Answers(self.redis, config, self.state, self.writer)
-        self.runner = JobRunner(engine, config, self.state, self.answers)
+        self.runner = JobRunner(engine, config, self.state, self.answers, Attempts(self.redis, self.names))
         self.intake = Intake(self.redis, config, self.state, self.runner)
         self.reclaimer = Reclaimer(self.redis, config, self.state, self.intake)
         self.cancels = CancelListener(self.redis, self.names, engine, self.state)

@@ -20,6 +20,7 @@ import anyio
 from clients.errors import ProtocolError
 from clients.protocol import Job
 from clients.resume import ResumeState
+from workers.worker.attempts import PreviousAttempt
 
 log = logging.getLogger("streamer.worker")
 _MAX_REMEMBERED_CANCELS = 10_000
@@ -36,12 +37,18 @@ class Delivery:
     error: ProtocolError | None = None  # could not be decoded or validated
     ours: bool = False  # the request id belongs to this entry (not a duplicate)
     epoch: int = 0  # ownership epoch of this claim (Names.fence); 0 when not ours
+    previous: PreviousAttempt = field(default_factory=PreviousAttempt)  # the attempt before this claim
     state: ResumeState = field(default_factory=ResumeState)
     cancelled: bool = False
 
     @property
     def request_id(self) -> str | None:
         return self.job.id if self.job is not None else self.error.request_id if self.error else None
+
+    @property
+    def suspect(self) -> bool:
+        """The previous attempt entered the engine and its worker died before any output."""
+        return self.previous.died_in(self.state.next_seq, self.state.finished)
 
 
 @dataclass
@@ -69,6 +76,9 @@ class WorkerState:
         self._idle.set()
         self.ready = anyio.Event()  # set once the worker reads jobs
         self.engine_error: BaseException | None = None
+        self.unproven = 0  # jobs in the engine without their first output yet
+        self._solo = False  # a suspect job (attempts.py) is entering the engine alone
+        self._gate = anyio.Event()
 
     # --- stopping ----------------------------------------------------------------------------------
 
@@ -136,6 +146,24 @@ class WorkerState:
     def release_entry(self, entry_id: str) -> str | None:
         """The entry left the requests stream (or another worker took it): stop refreshing it."""
         return self.pending_entries.pop(entry_id, None)
+
+    # --- entering the engine ------------------------------------------------------------------------
+
+    async def enter_engine(self, suspect: bool) -> None:
+        """Wait for the turn to enter the engine: a suspect goes in once no other job is waiting for
+        its first output, and no job goes in with it until it has its own (`proven`)."""
+        while self._solo or (suspect and self.unproven):
+            if self._gate.is_set():
+                self._gate = anyio.Event()
+            await self._gate.wait()
+        self._solo = suspect
+        self.unproven += 1
+
+    def proven(self, suspect: bool) -> None:
+        """A job that `enter_engine`d has its first output (or left)."""
+        self.unproven -= 1
+        self._solo = self._solo and not suspect
+        self._gate.set()
 
     # --- cancels of jobs not running here --------------------------------------------------------
 
