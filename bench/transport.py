@@ -107,8 +107,10 @@ async def run_both(ckpt: Path, work: list[list[int]], args: argparse.Namespace, 
     the run with the median throughput."""
     import redis.asyncio as aioredis
 
+    from clients.protocol import Names
     from clients.redis_client import AsyncClient
     from streamer import AsyncEngine, EngineConfig, SamplingParams
+    from workers.heartbeats import live_args, live_script
 
     worker = start_worker(ckpt, url, args)
     runs: dict[str, list[dict]] = {"local": [], "redis": []}
@@ -119,7 +121,8 @@ async def run_both(ckpt: Path, work: list[list[int]], args: argparse.Namespace, 
             async for _ in engine.generate(warm, SamplingParams(max_tokens=4), "warm-up"):
                 pass
             probe = aioredis.Redis.from_url(url)
-            while not await probe.keys("llm:worker:*"):
+            live = live_script(probe)
+            while not await live(**live_args(Names())):  # the worker's first heartbeat
                 if worker.poll() is not None:
                     raise RuntimeError("the worker exited during start-up")
                 await asyncio.sleep(0.1)

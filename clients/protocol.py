@@ -36,10 +36,11 @@ class Names:
     group: str = ""
     cancel: str = ""
     dead: str = ""
+    heartbeats: str = ""  # sorted set: member = consumer name, score = its last heartbeat (ms)
 
     def __post_init__(self) -> None:
         for name, suffix in (("requests", "requests"), ("group", "workers"), ("cancel", "cancel"),
-                             ("dead", "dead")):
+                             ("dead", "dead"), ("heartbeats", "heartbeats")):
             if not getattr(self, name):
                 object.__setattr__(self, name, f"{self.prefix}:{suffix}")
 

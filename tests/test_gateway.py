@@ -430,6 +430,8 @@ async def test_http_page_health_and_metrics(redis_url: str) -> None:
                                                       "connections": 0}
         await r.hset(NAMES.worker("w1"), mapping={"model": "tiny", "running": "0"})
         await r.pexpire(NAMES.worker("w1"), 5000)
+        seconds, micros = await r.time()  # a worker's beat: its name in the heartbeat set, at Redis time
+        await r.zadd(NAMES.heartbeats, {"w1": seconds * 1000 + micros // 1000})
         status, _, body = await get("healthz")
         assert status == 200
         assert json.loads(body)["workers"] == [{"name": "w1", "model": "tiny", "running": "0"}]

@@ -232,6 +232,8 @@ def test_up_with_an_existing_redis_leaves_it_running(llama_ckpt: Path, redis_ser
     client = redis.Redis.from_url(redis_url)
     client.hset("pre:worker:someone-else", mapping={"model": "x", "running": 0})  # another worker's heartbeat
     client.expire("pre:worker:someone-else", 600)
+    seconds, _ = client.time()  # its beat, dated ahead so that it stays live for the whole test
+    client.zadd("pre:heartbeats", {"someone-else": (seconds + 600) * 1000})
     port = free_port()
     up = Up("--redis", redis_url, "--prefix", "pre", "--model", str(llama_ckpt), "--port", str(port),
             "--device", "cpu", env={})
@@ -245,6 +247,7 @@ def test_up_with_an_existing_redis_leaves_it_running(llama_ckpt: Path, redis_ser
         assert up.ctrl_c() == 0, up.text()
         assert client.ping() and not port_open(port)
         assert {k.decode() for k in client.scan_iter(match="pre:worker:*")} == {"pre:worker:someone-else"}
+        assert client.zrange("pre:heartbeats", 0, -1) == [b"someone-else"]  # ours left the set at exit
     finally:
         up.kill()
         client.close()

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from clients.protocol import Names
 from workers.cli.processes import Child, Phases
 from workers.errors import PortInUse, UserError, redact_url
+from workers.heartbeats import live_workers
 from workers.redis_options import check_redis, sync_client
 from workers.redis_server import RedisServer, free_port
 
@@ -82,11 +83,11 @@ def best_device(requested: str | None) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def worker_keys(url: str, prefix: str) -> set[bytes]:
-    """Heartbeat keys of the workers alive on this Redis (each worker refreshes its own)."""
+def worker_names(url: str, prefix: str) -> set[str]:
+    """Consumer names of the workers alive on this Redis, from the heartbeat set (no key scan)."""
     client = sync_client(url)
     try:
-        return set(client.scan_iter(match=Names(prefix=prefix).worker("*"), count=1000))
+        return set(live_workers(client, Names(prefix=prefix)))
     finally:
         client.close()
 
@@ -186,10 +187,10 @@ def _start_all(args: argparse.Namespace, local_host: str, port: int, phases: Pha
                  "STREAMER_GRACE": os.environ.get("STREAMER_GRACE") or str(WORKER_GRACE_S)}
     with phases.phase("worker", f"Worker: loading the model on {setup.device}"):
         # With a shared Redis other workers may be there already: wait for a new heartbeat.
-        before = worker_keys(redis_url, args.prefix)
+        before = worker_names(redis_url, args.prefix)
         started.start(Child("worker", ["worker", "--model", model, "--prefix", args.prefix,
                                        "--device", setup.device], env=child_env))
-        wait_until(lambda: bool(worker_keys(redis_url, args.prefix) - before), started.children,
+        wait_until(lambda: bool(worker_names(redis_url, args.prefix) - before), started.children,
                    args.startup_timeout, "loading the model")
 
     with phases.phase("gateway", f"Gateway on {args.host}:{setup.port}"):

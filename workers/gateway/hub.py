@@ -23,6 +23,7 @@ from clients.errors import ProtocolError
 from clients.protocol import Names, decode_message, decode_payload, encode_job, event_stream_id, split_fields
 from workers.gateway.metrics import Metrics
 from workers.gateway.watch import Watch
+from workers.heartbeats import as_names, live_args, live_script
 
 log = logging.getLogger("streamer.gateway")
 
@@ -45,6 +46,7 @@ class Hub:
         self.redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=30,
                                              health_check_interval=15)
         self.pubsub = self.redis.pubsub()
+        self._live_workers = live_script(self.redis)
         self.watches: dict[str, set[Watch]] = {}  # channel -> readers (the subscriptions we want)
         self._subscribed: dict[str, asyncio.Event] = {}  # channel -> set when Redis confirmed it
         self._sub_lock = asyncio.Lock()  # SUBSCRIBE/UNSUBSCRIBE go out in decision order
@@ -285,11 +287,19 @@ class Hub:
             return False
 
     async def workers(self) -> list[dict[str, str]]:
-        """Live workers: their heartbeat hashes expire, so every key found belongs to a live one."""
+        """Live workers, from the heartbeat set (workers/heartbeats.py), never a scan of the keyspace:
+        two round trips whatever else Redis holds. A member counts when it beat within STALE_MS and its
+        stats hash (which expires 3 beats after the last one) is still there."""
+        names = as_names(await self._live_workers(**live_args(self.names)))
+        if not names:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.hgetall(self.names.worker(name))
+            replies = await pipe.execute(raise_on_error=False)
         found = []
-        async for key in self.redis.scan_iter(match=self.names.worker("*"), count=100):
-            fields = await self.redis.hgetall(key)
-            if fields:
-                name = key.decode()[len(self.names.worker("")):]
-                found.append({"name": name, **{k.decode(): v.decode() for k, v in fields.items()}})
+        for name, fields in zip(names, replies, strict=True):
+            if isinstance(fields, dict) and fields:  # not an error reply (a key of the wrong type)
+                found.append({"name": name, **{k.decode(errors="replace"): v.decode(errors="replace")
+                                               for k, v in fields.items()}})
         return sorted(found, key=lambda w: w["name"])

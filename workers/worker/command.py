@@ -93,6 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--grace", type=float, default=30.0, help="seconds to finish in-flight jobs on SIGTERM")
     w.add_argument("--max-payload-bytes", type=int, default=Limits.max_payload_bytes,
                    help="largest accepted job payload")
+    w.add_argument("--consumer-idle", type=float, default=0.0,
+                   help="seconds after which a consumer holding no job and not reading (a crashed "
+                        "worker) is removed from the group (0: 20 x --claim-idle)")
     w.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
 
 
@@ -100,7 +103,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(redis_url=args.redis, names=names_from_args(args),
                         limits=Limits(max_payload_bytes=args.max_payload_bytes), consumer=args.consumer,
                         events_ttl_s=args.events_ttl, claim_idle_s=args.claim_idle,
-                        max_deliveries=args.max_deliveries, grace_s=args.grace, model_name=args.model)
+                        max_deliveries=args.max_deliveries, grace_s=args.grace, model_name=args.model,
+                        consumer_idle_s=args.consumer_idle)
 
 
 async def serve(args: argparse.Namespace) -> None:

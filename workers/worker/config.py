@@ -24,7 +24,11 @@ class WorkerConfig:
     block_ms: int = 1000
     read_linger_ms: float = 3.0  # after a partial read, wait this long for more of a burst
     model_name: str = ""
+    # A consumer of the group that holds no entry and has not read for this long is deleted by the
+    # reclaimer (a worker that crashed long ago); 0: 20 x claim_idle_s (10 min at the default).
+    consumer_idle_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.consumer = self.consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.heartbeat_s = self.heartbeat_s or min(5.0, self.claim_idle_s / 4)
+        self.consumer_idle_s = self.consumer_idle_s or 20 * self.claim_idle_s

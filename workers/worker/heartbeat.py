@@ -1,5 +1,7 @@
-"""The Redis worker's heartbeat: its stats key, cancel markers of running jobs, and the idle time of
-the entries it holds kept fresh so no other worker reclaims them while this one is alive.
+"""The Redis worker's heartbeat: its place in the heartbeat set (how gateways and `streamer up` find
+live workers without scanning keys, workers/heartbeats.py), its stats key, cancel markers of running
+jobs, and the idle time of the entries it holds kept fresh so no other worker reclaims them while
+this one is alive.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from clients.backoff import TRANSIENT, Backoff
+from workers.heartbeats import STALE_MS
 from workers.worker.cancel import CancelListener
 from workers.worker.config import WorkerConfig
 from workers.worker.engine import Engine
@@ -37,6 +40,24 @@ end
 return lost
 """
 
+# One round trip per beat, timed by the Redis server's clock (readers compare against the same clock).
+# KEYS[1] = stats hash, KEYS[2] = heartbeat set, KEYS[3..] = cancel markers of the running jobs.
+# ARGV[1] = consumer, ARGV[2] = stats TTL (ms), ARGV[3] = STALE_MS, ARGV[4..] = stats field, value, ...
+# Adds/updates our member, prunes members that stopped beating, returns EXISTS of each marker.
+_BEAT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('ZADD', KEYS[2], now, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. (now - tonumber(ARGV[3])))
+local marked = {}
+for i = 3, #KEYS do
+  marked[#marked + 1] = redis.call('EXISTS', KEYS[i])
+end
+return marked
+"""
+
 
 class Heartbeat:
     """Every `heartbeat_s`: stats, cancel markers of running jobs (passed to `cancels`), entry freshness."""
@@ -47,39 +68,57 @@ class Heartbeat:
         self.state, self.writer, self.cancels = state, writer, cancels
         # Registering only computes the script's hash (no Redis call): it is loaded on first use.
         self._refresh_own = redis.register_script(_REFRESH_OWN)
+        self._beat = redis.register_script(_BEAT)
 
     async def loop(self) -> None:
         backoff = Backoff("heartbeat", log)
         key = self.names.worker(self.cfg.consumer)
-        ttl_ms = int(self.cfg.heartbeat_s * 3000)
-        while True:
-            try:
-                await self._heartbeat(key, ttl_ms)
-                backoff.reset()
-            except TRANSIENT as e:
-                await backoff.sleep(e)
-                continue
-            except ResponseError as e:  # e.g. NOGROUP after Redis lost its data: the reader recreates it
-                log.warning("heartbeat: %s", e)
-            await anyio.sleep(self.cfg.heartbeat_s)
+        # Readers count a worker as alive for STALE_MS after its last beat: beat at least 3 times in it.
+        period = min(self.cfg.heartbeat_s, STALE_MS / 3000)
+        ttl_ms = int(period * 3000)
+        try:
+            while True:
+                try:
+                    await self._heartbeat(key, ttl_ms)
+                    backoff.reset()
+                except TRANSIENT as e:
+                    await backoff.sleep(e)
+                    continue
+                except ResponseError as e:  # e.g. NOGROUP after Redis lost its data: the reader recreates it
+                    log.warning("heartbeat: %s", e)
+                await anyio.sleep(period)
+        finally:  # stopped (the worker is leaving): no longer listed as alive
+            with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+                await self.leave()
+
+    async def leave(self) -> None:
+        """Take this worker out of the heartbeat set and drop its stats key (best effort: if Redis is
+        unreachable now, the member is pruned STALE_MS after its last beat and the key expires)."""
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.zrem(self.names.heartbeats, self.cfg.consumer)
+                pipe.delete(self.names.worker(self.cfg.consumer))
+                await pipe.execute()
+        except (*TRANSIENT, ResponseError) as e:
+            log.warning("worker %s: could not leave the heartbeat set (%s)", self.cfg.consumer, e)
 
     def stats(self) -> dict[str, Any]:
         s = self.engine.stats()
         return {"model": self.cfg.model_name, "consumer": self.cfg.consumer, "pid": os.getpid(),
                 "running": s.get("num_running", 0), "waiting": s.get("num_waiting", 0),
                 "kv_usage": s.get("kv_utilization", 0.0), "kv_blocks_used": s.get("kv_blocks_used", 0),
-                "kv_blocks_total": s.get("kv_blocks_total", 0), "jobs": self.state.held,
+                "kv_blocks_total": s.get("kv_blocks_total", 0), "max_model_len": s.get("max_model_len", 0),
+                "jobs": self.state.held,
                 "writer_round_trips": self.writer.round_trips, "updated_ms": int(time.time() * 1000)}
 
     async def _heartbeat(self, key: str, ttl_ms: int) -> None:
         entries, running = list(self.state.pending_entries), list(self.state.running)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hset(key, mapping={k: str(v) for k, v in self.stats().items()})
-            pipe.pexpire(key, ttl_ms)
-            for request_id in running:  # cancel markers catch cancels published while pub/sub was down
-                pipe.exists(self.names.cancelled(request_id))
-            replies = await pipe.execute()
-        for request_id, marked in zip(running, replies[2:], strict=True):
+        stats = [str(x) for item in self.stats().items() for x in item]
+        # Cancel markers catch cancels published while pub/sub was down.
+        markers = [self.names.cancelled(request_id) for request_id in running]
+        replies = await self._beat(keys=[key, self.names.heartbeats, *markers],
+                                   args=[self.cfg.consumer, ttl_ms, STALE_MS, *stats])
+        for request_id, marked in zip(running, replies, strict=True):
             if marked:
                 self.cancels.cancel(request_id)
         if not entries:

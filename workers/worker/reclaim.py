@@ -1,10 +1,13 @@
 """Reclaiming the entries of dead workers: an entry nobody refreshed for `claim_idle_s` is taken over
-and goes through intake again, which resumes it from its event stream (clients/resume.py).
+and goes through intake again, which resumes it from its event stream (clients/resume.py). The
+consumers such workers leave in the group are deleted once they hold nothing and have been idle for
+`consumer_idle_s`, so the group does not grow with every crash or restart.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import anyio
@@ -13,11 +16,37 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from clients.backoff import TRANSIENT, Backoff
+from workers.heartbeats import STALE_MS
 from workers.worker.config import WorkerConfig
 from workers.worker.intake import Intake
 from workers.worker.state import WorkerState, as_str
 
 log = logging.getLogger("streamer.worker")
+
+# Delete the group's consumers that hold no pending entry, have been idle (no read, no claim) longer
+# than ARGV[2] ms and are not in the heartbeat set: crashed workers. Atomic, so a consumer cannot be
+# handed an entry between the check and the delete (deleting a consumer drops its pending entries).
+# KEYS[1] = requests stream, KEYS[2] = heartbeat set; ARGV[1] = group, ARGV[2] = idle bound (ms),
+# ARGV[3] = STALE_MS. Returns the names deleted.
+_DROP_IDLE_CONSUMERS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local removed = {}
+for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local info = {}
+  for i = 1, #c, 2 do
+    info[c[i]] = c[i + 1]
+  end
+  if info['pending'] == 0 and info['idle'] > tonumber(ARGV[2]) then
+    local beat = redis.call('ZSCORE', KEYS[2], info['name'])
+    if not beat or tonumber(beat) < now - tonumber(ARGV[3]) then
+      redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], info['name'])
+      removed[#removed + 1] = info['name']
+    end
+  end
+end
+return removed
+"""
 
 
 class Reclaimer:
@@ -26,6 +55,8 @@ class Reclaimer:
     def __init__(self, redis: Redis, config: WorkerConfig, state: WorkerState, intake: Intake) -> None:
         self.redis, self.cfg, self.names = redis, config, config.names
         self.state, self.intake = state, intake
+        self._drop_idle = redis.register_script(_DROP_IDLE_CONSUMERS)
+        self._next_cleanup = 0.0  # monotonic time of the next look for idle consumers
 
     async def claim_loop(self, jobs: TaskGroup) -> None:
         """Take over entries whose worker stopped refreshing them (dead), oldest first."""
@@ -43,11 +74,25 @@ class Reclaimer:
                         await self._start_reclaimed(entries, jobs)
                     if cursor in (b"0-0", "0-0"):
                         break
+                if time.monotonic() >= self._next_cleanup:
+                    self._next_cleanup = time.monotonic() + self.cfg.consumer_idle_s / 4
+                    await self.drop_idle_consumers()
                 backoff.reset()
             except ResponseError as e:
                 await self.intake.refused("reclaim", e, backoff)
             except TRANSIENT as e:
                 await backoff.sleep(e)
+
+    async def drop_idle_consumers(self) -> list[str]:
+        """Delete consumers that hold nothing and have been idle over `consumer_idle_s` (not this one,
+        which is live: it beats and reads); returns their names."""
+        removed = await self._drop_idle(keys=[self.names.requests, self.names.heartbeats],
+                                        args=[self.names.group, int(self.cfg.consumer_idle_s * 1000), STALE_MS])
+        names = [as_str(name) for name in removed]
+        if names:
+            log.info("removed %d idle consumer(s) holding no job from group %s: %s", len(names),
+                     self.names.group, ", ".join(names[:10]) + (" ..." if len(names) > 10 else ""))
+        return names
 
     async def _start_reclaimed(self, entries: list[tuple[Any, Any]], jobs: TaskGroup) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
