@@ -1,7 +1,7 @@
 """Clients for streamer, and the home of the wire contract they share with the server side.
 
 - protocol.py: the Redis wire contract (docs/protocol.md): names, job decoding, event encoding.
-- errors.py: the contract's errors (ProtocolError, RequestFailed).
+- errors.py: the contract's errors (ProtocolError, RequestFailed, UnknownRequest).
 - backoff.py: how every Redis loop retries a dropped connection.
 - resume.py: what a request's event stream says about an earlier run of it.
 - redis_client.py: the Python client (AsyncClient, Client); web/ holds the browser/Node client.
@@ -9,7 +9,7 @@
 Nothing here imports the engine (`streamer`) or the servers (`workers`): they depend on this package.
 """
 
-from clients.errors import ProtocolError, RequestFailed
+from clients.errors import ProtocolError, RequestFailed, UnknownRequest
 from clients.redis_client import AsyncClient, Client, Generation
 
-__all__ = ["AsyncClient", "Client", "Generation", "ProtocolError", "RequestFailed"]
+__all__ = ["AsyncClient", "Client", "Generation", "ProtocolError", "RequestFailed", "UnknownRequest"]

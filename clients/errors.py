@@ -2,7 +2,8 @@
 
 `ProtocolError` is raised for bytes or maps that break the contract (the worker and the gateway
 answer it with an `error` event or frame); `RequestFailed` is what the client raises when the
-worker answered a request with an `error` event.
+worker answered a request with an `error` event; `UnknownRequest` when a request id names nothing
+in Redis (never submitted, or its keys expired).
 """
 
 from __future__ import annotations
@@ -25,3 +26,14 @@ class RequestFailed(RuntimeError):
     def __init__(self, request_id: str, code: str, message: str) -> None:
         super().__init__(f"request {request_id} failed: {code}: {message}")
         self.request_id, self.code, self.message = request_id, code, message
+
+
+class UnknownRequest(LookupError):
+    """No request with this id in Redis (never submitted, or expired): e.g. a cancel for a made-up id,
+    which must not leave a key behind. `code` is `unknown_request`, as in the gateway's error frame."""
+
+    code = "unknown_request"
+
+    def __init__(self, request_id: str, message: str = "") -> None:
+        super().__init__(message or f"no request {request_id!r} (never submitted, or expired)")
+        self.request_id = request_id

@@ -19,10 +19,40 @@ from typing import Any
 from redis.asyncio import Redis
 
 from clients.backoff import TRANSIENT, Backoff, retry
-from clients.errors import RequestFailed
+from clients.errors import RequestFailed, UnknownRequest
 from clients.protocol import Names, decode_event, encode_job, event_stream_id
 
 log = logging.getLogger("streamer.client")
+
+# How long the keys a client sets live: the id's owner until a worker's first write renews it, and a
+# cancel marker.
+KEY_TTL_MS = 3_600_000
+
+# Push a job and record which entry owns its id (`job:{id}`, the key workers also set when they read
+# it), in one atomic round trip: from then on the id exists, so it can be cancelled while it waits in
+# the queue. SET NX: a second job with the same id leaves the first one's owner in place and is refused
+# by the worker as `duplicate_id`.
+# KEYS[1] = requests stream, KEYS[2] = job:{id}; ARGV[1] = field (json | msgpack), ARGV[2] = payload,
+# ARGV[3] = owner TTL (ms). Returns the new entry id.
+SUBMIT_SCRIPT = """
+local entry = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
+redis.call('SET', KEYS[2], entry, 'NX', 'PX', ARGV[3])
+return entry
+"""
+
+# Cancel only an id that exists, in one round trip: a cancel marker is a key, and nobody must be able
+# to create keys for made-up ids. KEYS[1] = cancelled:{id}, KEYS[2..] = keys any one of which proves
+# the id was submitted (job:{id}, events:{id}, a gateway's claim); ARGV[1] = cancel channel,
+# ARGV[2] = request id, ARGV[3] = the marker's TTL (ms). Returns 1, or 0 (and does nothing) for an
+# unknown id.
+CANCEL_SCRIPT = """
+if redis.call('EXISTS', unpack(KEYS, 2)) == 0 then
+  return 0
+end
+redis.call('SET', KEYS[1], '1', 'PX', ARGV[3])
+redis.call('PUBLISH', ARGV[1], ARGV[2])
+return 1
+"""
 
 
 @dataclass
@@ -79,6 +109,8 @@ class AsyncClient:
         self.url, self.encoding, self.retry_s = url, encoding, retry_s
         self.names = names or Names(prefix=prefix)
         self.redis = Redis.from_url(url, socket_connect_timeout=3)
+        self._submit = self.redis.register_script(SUBMIT_SCRIPT)
+        self._cancel = self.redis.register_script(CANCEL_SCRIPT)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -95,10 +127,12 @@ class AsyncClient:
         """Push a job; returns its id (a fresh UUID unless given)."""
         request_id = id or uuid.uuid4().hex
         job = build_job(request_id, prompt, messages, prompt_token_ids, params, priority, deadline)
-        fields = encode_job(job, self.encoding)
+        ((field_name, payload),) = encode_job(job, self.encoding).items()
+        keys = [self.names.requests, self.names.job(request_id)]
         # Safe to retry: if a lost reply hides a first XADD that worked, the second copy carries the
         # same id and is refused by the worker as a duplicate.
-        await retry("submit", log, lambda: self.redis.xadd(self.names.requests, fields), self.retry_s)
+        await retry("submit", log, lambda: self._submit(keys=keys, args=[field_name, payload, KEY_TTL_MS]),
+                    self.retry_s)
         return request_id
 
     async def stream(self, request_id: str, after_seq: int = -1,
@@ -140,14 +174,14 @@ class AsyncClient:
         return result
 
     async def cancel(self, request_id: str) -> None:
-        """Abort a request wherever it is: running (its worker listens) or still queued (the marker)."""
-        async def send() -> None:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.set(self.names.cancelled(request_id), 1, ex=3600)
-                pipe.publish(self.names.cancel, request_id)
-                await pipe.execute()
-
-        await retry("cancel", log, send, self.retry_s)
+        """Abort a request wherever it is: running (its worker listens) or still queued (the marker).
+        UnknownRequest when no such request exists in Redis (never submitted, or expired): nothing is
+        written then."""
+        keys = [self.names.cancelled(request_id), self.names.job(request_id), self.names.events(request_id)]
+        args = [self.names.cancel, request_id, KEY_TTL_MS]
+        if not await retry("cancel", log, lambda: self._cancel(keys=keys, args=args), self.retry_s):
+            raise UnknownRequest(request_id, f"no request {request_id!r} to cancel (never submitted, "
+                                 "or expired)")
 
 
 class Client:

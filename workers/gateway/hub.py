@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from clients.backoff import TRANSIENT, Backoff
 from clients.errors import ProtocolError
 from clients.protocol import Names, decode_message, decode_payload, encode_job, event_stream_id, split_fields
+from clients.redis_client import CANCEL_SCRIPT, SUBMIT_SCRIPT
 from workers.gateway.metrics import Metrics
 from workers.gateway.watch import Watch
 from workers.heartbeats import as_names, live_args, live_script
@@ -46,6 +47,10 @@ class Hub:
         self.redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=30,
                                              health_check_interval=15)
         self.pubsub = self.redis.pubsub()
+        # The Python client's scripts: a job's id exists from its push on, and only such ids can be
+        # cancelled (no key for a made-up id).
+        self._submit = self.redis.register_script(SUBMIT_SCRIPT)
+        self._cancel_known = self.redis.register_script(CANCEL_SCRIPT)
         self._live_workers = live_script(self.redis)
         self.watches: dict[str, set[Watch]] = {}  # channel -> readers (the subscriptions we want)
         self._subscribed: dict[str, asyncio.Event] = {}  # channel -> set when Redis confirmed it
@@ -106,8 +111,11 @@ class Hub:
         await self.redis.delete(self._claim_key(request_id))
 
     async def push(self, job: dict[str, Any]) -> None:
-        """Queue a job (already checked with protocol.parse_job, its id claimed)."""
-        await self.redis.xadd(self.names.requests, encode_job(job, "json"))
+        """Queue a job (already checked with protocol.parse_job, its id claimed), recording its entry as
+        the owner of the id (`job:{id}`, as workers do when they read it)."""
+        ((field_name, payload),) = encode_job(job, "json").items()
+        await self._submit(keys=[self.names.requests, self.names.job(job["id"])],
+                           args=[field_name, payload, self.ttl_ms])
         self.metrics.inc("requests_total")
 
     async def known(self, request_id: str) -> bool:
@@ -128,11 +136,13 @@ class Hub:
         await self.redis.publish(self.resumed_channel, request_id)
 
     async def cancel(self, request_id: str) -> None:
-        """The marker covers a job no worker has read yet; the message reaches the one running it."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self.names.cancelled(request_id), 1, px=self.ttl_ms)
-            pipe.publish(self.names.cancel, request_id)
-            await pipe.execute()
+        """The marker covers a job no worker has read yet; the message reaches the one running it.
+        An id nobody submitted (or whose keys expired) gets ProtocolError `unknown_request`, and no key."""
+        keys = [self.names.cancelled(request_id), self._claim_key(request_id), self.names.job(request_id),
+                self.names.events(request_id)]
+        if not await self._cancel_known(keys=keys, args=[self.names.cancel, request_id, self.ttl_ms]):
+            raise ProtocolError("unknown_request", f"no request {request_id!r} to cancel (never submitted, "
+                                "or expired)", request_id)
         self.metrics.inc("cancels_total")
 
     # --- watching ----------------------------------------------------------------------------------
