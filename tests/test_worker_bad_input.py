@@ -75,7 +75,7 @@ async def test_bad_jobs_are_answered_and_others_complete(llama_ckpt, redis_url):
     # The undecodable payload is kept byte for byte for whoever inspects the dead letters.
     assert any(d.get("payload_json") == b"\xff\xfe\x00 not utf-8" for d in letters)
     huge = next(d for d in letters if d["reason"] == b"too_large")
-    assert len(huge["payload_msgpack"]) == 64 * 1024 and int(huge["payload_bytes"]) > 2 << 20
+    assert len(huge["payload_msgpack"]) == 4096 and int(huge["payload_bytes"]) > 2 << 20  # --dead-payload-bytes
     r.close()
 
 

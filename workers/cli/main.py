@@ -1,4 +1,4 @@
-"""The `streamer` command: `up`, `worker`, `gateway`, `generate`, `bench`.
+"""The `streamer` command: `up`, `worker`, `gateway`, `generate`, `bench`, `dead`.
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`.
 Modules are imported only when their command runs (the imports inside the `_load_*` functions), so
@@ -57,6 +57,12 @@ def _load_bench() -> ModuleType:
     return bench_cmd
 
 
+def _load_dead() -> ModuleType:
+    from workers.cli import dead_cmd
+
+    return dead_cmd
+
+
 @dataclass(frozen=True)
 class Command:
     load: Callable[[], ModuleType]  # imports the command's module: add_arguments(parser), run(args)
@@ -71,6 +77,7 @@ COMMANDS: dict[str, Command] = {
     "generate": Command(_load_generate, "send one prompt through Redis and stream the answer "
                                         "to the terminal"),
     "bench": Command(_load_bench, "run a benchmark script from bench/ (arguments pass through)"),
+    "dead": Command(_load_dead, "list, show, requeue or purge dead letters (jobs no worker could serve)"),
 }
 # Commands whose --model, when not given, means the built-in default model.
 _DEFAULT_MODEL_COMMANDS = {"worker"}

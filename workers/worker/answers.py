@@ -20,14 +20,18 @@ from workers.worker.event_writer import EventWriter, Write
 from workers.worker.state import Delivery, RunningJob, WorkerState, as_str
 
 log = logging.getLogger("streamer.worker")
-_DEAD_PAYLOAD_BYTES = 64 * 1024
+# A dead letter's bounded parts besides the payload prefix (--dead-payload-bytes): the message, and the
+# entry's fields (a valid entry has one; a hand-written one may have thousands, with long names).
+DEAD_MESSAGE_CHARS = 1024
+DEAD_PAYLOAD_FIELDS = 4
+DEAD_FIELD_NAME_CHARS = 64
 
 
 class Answers:
     """Every outcome of a job (tokens, done, error, duplicate, cancel) reaches Redis through these."""
 
     def __init__(self, redis: Redis, config: WorkerConfig, state: WorkerState, writer: EventWriter) -> None:
-        self.redis, self.names, self.consumer = redis, config.names, config.consumer
+        self.redis, self.names, self.consumer, self.cfg = redis, config.names, config.consumer, config
         self.state, self.writer = state, writer
 
     def emit(self, run: RunningJob, events: list[dict], error: ProtocolError | None = None,
@@ -67,17 +71,23 @@ class Answers:
             await self.fail(run, code, message)
 
     async def dead_letter(self, entry_id: str, fields: Any, error: ProtocolError) -> None:
-        entry: dict[str, Any] = {"reason": error.code, "message": error.message, "entry": entry_id,
-                                 "worker": self.consumer, "time_ms": int(time.time() * 1000)}
+        """Keep a job that could not be served, bounded: the reason, and at most `dead_payload_bytes` of
+        its payload (`payload_bytes` gives the whole size when some was left out). The stream is trimmed
+        by age (`dead_max_age_s`) and by count (`dead_max_len`) on every write."""
+        entry: dict[str, Any] = {"reason": error.code, "message": error.message[:DEAD_MESSAGE_CHARS],
+                                 "entry": entry_id, "worker": self.consumer, "time_ms": int(time.time() * 1000)}
         if error.request_id is not None:
             entry["id"] = error.request_id
-        for key, value in (fields or {}).items():
-            # Keep enough to diagnose; an oversized payload is not copied whole.
-            entry[f"payload_{as_str(key)}"] = value[:_DEAD_PAYLOAD_BYTES]
-            if len(value) > _DEAD_PAYLOAD_BYTES:
-                entry["payload_bytes"] = len(value)
-        await retry("dead letter", log, lambda: self.redis.xadd(self.names.dead, entry, maxlen=100_000,
-                                                                approximate=True))
+        entry.update(dead_payload(fields or {}, self.cfg.dead_payload_bytes))
+        min_id = f"{max(0, entry['time_ms'] - int(self.cfg.dead_max_age_s * 1000))}-0"
+
+        async def write() -> None:  # a fresh pipeline per attempt: a failed execute empties it
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xadd(self.names.dead, entry, maxlen=self.cfg.dead_max_len, approximate=True)
+                pipe.xtrim(self.names.dead, minid=min_id, approximate=True)
+                await pipe.execute()
+
+        await retry("dead letter", log, write)
 
     async def ack(self, entry_id: str) -> None:
         async def ack() -> None:  # a fresh pipeline per attempt: a failed execute empties it
@@ -97,3 +107,21 @@ class Answers:
 def _encoding_of(fields: Any) -> str:
     keys = {as_str(k) for k in (fields or {})}
     return "msgpack" if "msgpack" in keys and "json" not in keys else "json"
+
+
+def dead_payload(fields: dict[Any, Any], limit: int) -> dict[str, Any]:
+    """The `payload_<field>` fields of a dead letter: the entry's fields, values cut so that together
+    they hold at most `limit` bytes, at most DEAD_PAYLOAD_FIELDS of them; `payload_bytes` (the size of
+    all values) is added when anything was left out, which is how a reader tells a whole payload."""
+    kept: dict[str, Any] = {}
+    budget, total = max(0, limit), 0
+    for i, (key, value) in enumerate(fields.items()):
+        raw = value if isinstance(value, bytes) else str(value).encode()
+        total += len(raw)
+        if i < DEAD_PAYLOAD_FIELDS:
+            name = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
+            kept[f"payload_{name[:DEAD_FIELD_NAME_CHARS]}"] = raw[:budget]
+            budget -= len(raw[:budget])
+    if sum(len(v) for v in kept.values()) < total or len(kept) < len(fields):
+        kept["payload_bytes"] = total
+    return kept

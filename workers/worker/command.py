@@ -93,6 +93,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--grace", type=float, default=30.0, help="seconds to finish in-flight jobs on SIGTERM")
     w.add_argument("--max-payload-bytes", type=int, default=Limits.max_payload_bytes,
                    help="largest accepted job payload")
+    w.add_argument("--dead-payload-bytes", type=int, default=4096,
+                   help="bytes of a job's payload kept in its dead letter (a longer one is cut and "
+                        "cannot be requeued)")
+    w.add_argument("--dead-max-age", type=float, default=7 * 24 * 3600.0,
+                   help="seconds dead letters are kept (7 days)")
+    w.add_argument("--dead-max-len", type=int, default=10_000, help="most dead letters kept (about)")
     w.add_argument("--consumer-idle", type=float, default=0.0,
                    help="seconds after which a consumer holding no job and not reading (a crashed "
                         "worker) is removed from the group (0: 20 x --claim-idle)")
@@ -104,7 +110,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
                         limits=Limits(max_payload_bytes=args.max_payload_bytes), consumer=args.consumer,
                         events_ttl_s=args.events_ttl, claim_idle_s=args.claim_idle,
                         max_deliveries=args.max_deliveries, grace_s=args.grace, model_name=args.model,
-                        consumer_idle_s=args.consumer_idle)
+                        dead_payload_bytes=args.dead_payload_bytes, dead_max_age_s=args.dead_max_age,
+                        dead_max_len=args.dead_max_len, consumer_idle_s=args.consumer_idle)
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -24,6 +24,10 @@ class WorkerConfig:
     block_ms: int = 1000
     read_linger_ms: float = 3.0  # after a partial read, wait this long for more of a burst
     model_name: str = ""
+    # Dead letters (answers.py): how much of a job's payload each keeps, and how long / how many are kept.
+    dead_payload_bytes: int = 4096
+    dead_max_age_s: float = 7 * 24 * 3600.0
+    dead_max_len: int = 10_000
     # A consumer of the group that holds no entry and has not read for this long is deleted by the
     # reclaimer (a worker that crashed long ago); 0: 20 x claim_idle_s (10 min at the default).
     consumer_idle_s: float = 0.0
