@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import queue
 import threading
 from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +19,7 @@ from streamer.config import EngineConfig
 from streamer.errors import EngineDeadError
 from streamer.llm_engine import LLMEngine
 from streamer.outputs import RequestOutput
+from streamer.prompts import PromptProcessor, TokenizedPrompt
 from streamer.sampling_params import SamplingParams
 
 log = logging.getLogger("streamer.engine")
@@ -51,6 +54,12 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._stats: dict[str, Any] = self.engine.stats()
         self._capacity = self.engine.admission_capacity()
+        # Prompts are tokenized on a thread of their own, with a tokenizer of their own: a long prompt
+        # then delays only its own request, never a step, and encoding never contends with the
+        # engine thread's decoding.
+        p = self.engine.prompts
+        self._prompts = PromptProcessor(copy.deepcopy(p.tokenizer), p.vocab_size, p.max_model_len)
+        self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamer-tokenize")
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> AsyncEngine:
@@ -68,6 +77,7 @@ class AsyncEngine:
             self._thread = None
         # Tensor-parallel ranks are processes: stop and join them (a no-op on one device).
         await asyncio.to_thread(self.engine.shutdown)
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     async def __aenter__(self) -> AsyncEngine:
         return await self.start()
@@ -84,6 +94,7 @@ class AsyncEngine:
             raise EngineDeadError(f"engine stopped after an error: {self._error}")
         await self.start()
         assert self._loop is not None
+        prompt = await self._loop.run_in_executor(self._tokenizing, self._prompts.tokenize, prompt)
         accepted: asyncio.Future[None] = self._loop.create_future()
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._pending_adds += 1
@@ -124,8 +135,11 @@ class AsyncEngine:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.engine.render_chat(messages)
+    async def render_chat(self, messages: list[dict[str, str]]) -> TokenizedPrompt:
+        """The checkpoint's chat template applied, tokenized off the event loop and the engine thread."""
+        await self.start()
+        assert self._loop is not None
+        return await self._loop.run_in_executor(self._tokenizing, self._prompts.chat, messages)
 
     def _send(self, command: AddCommand | AbortCommand) -> None:
         self._commands.put(command)

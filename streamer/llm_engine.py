@@ -17,6 +17,7 @@ from streamer.fault_isolation import execute_isolated
 from streamer.model_config import ModelConfig
 from streamer.output_processor import OutputProcessor
 from streamer.outputs import RequestOutput
+from streamer.prompts import PromptProcessor, TokenizedPrompt
 from streamer.request import Request, Sequence
 from streamer.sampler import Sampler
 from streamer.sampling_params import SamplingParams
@@ -53,44 +54,27 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching, max_waiting_requests=config.max_waiting_requests,
             max_waiting_tokens=config.max_waiting_tokens, eos_token_ids=self.eos_token_ids))
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.prompts = PromptProcessor(self.tokenizer, self.model_config.hf_config.vocab_size, self.max_model_len)
 
     # ---- requests in -------------------------------------------------------------------------
-    def tokenize(self, prompt: str | list[int] | dict[str, Any]) -> tuple[list[int], str | None]:
-        if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
-            if unknown or len(prompt) != 1:
-                raise ValueError("a prompt dict needs exactly one of 'prompt' or 'prompt_token_ids'")
-            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
-        if isinstance(prompt, str):
-            return self.tokenizer(prompt).input_ids, prompt
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            vocab = self.model_config.hf_config.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-            return list(prompt), None
-        raise ValueError("prompt must be a string, a list of token ids, or {'prompt_token_ids': [...]}")
+    def tokenize(self, prompt: str | list[int] | dict[str, Any] | TokenizedPrompt) -> TokenizedPrompt:
+        """The prompt checked against the model (ValueError when it does not fit): thread-safe, so
+        callers can tokenize away from the thread that steps the engine."""
+        return self.prompts.tokenize(prompt)
 
     def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """The checkpoint's chat template with the generation prompt, as token ids."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; send a plain prompt")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        return self.prompts.chat(messages).token_ids
 
-    def add_request(self, request_id: str, prompt: str | list[int] | dict[str, Any], params: SamplingParams,
-                    priority: int = 0, resume_token_ids: list[list[int]] | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int] | dict[str, Any] | TokenizedPrompt,
+                    params: SamplingParams, priority: int = 0,
+                    resume_token_ids: list[list[int]] | None = None) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        tokens, text = self.tokenize(prompt)
-        if not tokens:
-            raise ValueError("prompt is empty")
-        if len(tokens) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(tokens)} tokens but the model allows at most "
-                             f"{self.max_model_len - 1} (max_model_len {self.max_model_len}, one token "
-                             "left to generate)")
+        tokenized = self.prompts.tokenize(prompt)
+        tokens, text = tokenized.token_ids, tokenized.text
         resume = resume_token_ids or []
         if len(resume) > params.n:
             raise ValueError("resume_token_ids has more entries than the request has samples")

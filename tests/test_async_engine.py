@@ -76,3 +76,44 @@ async def test_rejections_raise_before_any_output(llama_ckpt):
         await first.aclose()
         assert (await second_task).request_id == "b"
         await second.aclose()
+
+
+class RecordingTokenizer:
+    """The real tokenizer, noting the thread of every encode."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.threads = tokenizer, []
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def __call__(self, *args, **kwargs):
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        return self.tokenizer(*args, **kwargs)
+
+
+@pytest.mark.anyio
+async def test_prompts_are_tokenized_off_the_engine_thread_and_hopeless_ones_not_at_all(llama_ckpt):
+    """A long prompt must delay only its own request: it is tokenized on the tokenizer thread, never on
+    the engine's (which would stall every stream) or the event loop; a text longer than the model's
+    length times the longest vocabulary entry is refused without being tokenized."""
+    async with AsyncEngine(EngineConfig(model=str(llama_ckpt), num_kv_blocks=64, max_model_len=256)) as engine:
+        recording = engine._prompts.tokenizer = RecordingTokenizer(engine._prompts.tokenizer)
+        params = SamplingParams(temperature=0, max_tokens=4)
+        outs = [out async for out in engine.generate("a prompt of some words", params, "text")]
+        chat = await engine.render_chat([{"role": "user", "content": "hello"}])
+        outs += [out async for out in engine.generate(chat, params, "chat")]
+        assert sum(len(o.outputs[0].token_ids) for o in outs) == 8
+        assert recording.threads and set(recording.threads) == {"streamer-tokenize_0"}
+        recording.threads.clear()
+        longest = engine._prompts.max_token_chars
+        with pytest.raises(ValueError, match=f"prompt has {255 * longest + 1} characters"):
+            async for _ in engine.generate("x" * (255 * longest + 1), params, "huge"):
+                pass
+        assert recording.threads == []  # refused before tokenizing
+        with pytest.raises(ValueError, match="tokens but the model allows at most 255"):
+            async for _ in engine.generate("ab " * 300, params, "long"):
+                pass
+        assert engine.stats()["num_requests"] == 0

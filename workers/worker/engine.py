@@ -7,6 +7,7 @@ from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
 from streamer import RequestOutput, SamplingParams
+from streamer.prompts import TokenizedPrompt
 
 
 class Engine(Protocol):
@@ -24,6 +25,7 @@ class Engine(Protocol):
         """How many more requests the engine can take now without queueing."""
         ...
 
-    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """The checkpoint's chat template applied (ValueError when it has none)."""
+    async def render_chat(self, messages: list[dict[str, str]]) -> TokenizedPrompt:
+        """The checkpoint's chat template applied and tokenized (ValueError when it has none, or when
+        the result is too long for the model)."""
         ...

@@ -129,7 +129,7 @@ class JobRunner:
         if job.messages is None:
             return job.prompt
         try:
-            return {"prompt_token_ids": self.engine.render_chat(job.messages)}
+            return await self.engine.render_chat(job.messages)
         except ValueError as e:  # e.g. the checkpoint has no chat template
             await self.answers.fail(run, "invalid_request", str(e))
             return None
