@@ -115,18 +115,92 @@ def _text(value: Any) -> str | None:
 
 def _depth(obj: Any, limit: int) -> int:
     """Nesting depth of a decoded payload, stopping as soon as it passes `limit`."""
+    return _walk(obj, limit)[0]
+
+
+def _unicode_ok(text: str) -> bool:
+    """False for a string holding a lone surrogate: what a JSON `\\ud800` escape without its pair, or
+    bytes that are not UTF-8 (decoded with surrogateescape), become. Such text cannot be encoded
+    again (an event, a log line, a tokenizer)."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _walk(obj: Any, limit: int) -> tuple[int, bool]:
+    """(nesting depth, whether every string is valid Unicode) of a decoded payload; the walk stops as
+    soon as the depth passes `limit`. Scalars count as a level: `[[1]]` is 3 deep."""
     stack = [(obj, 1)]
-    deepest = 0
+    deepest, text_ok = 0, True
     while stack:
         node, depth = stack.pop()
         deepest = max(deepest, depth)
-        if deepest > limit:
-            return deepest
         if isinstance(node, dict):
-            stack.extend((v, depth + 1) for v in node.values())
+            children: Any = node.values()
+            text_ok = text_ok and all(_unicode_ok(k) for k in node if isinstance(k, str))
         elif isinstance(node, list):
-            stack.extend((v, depth + 1) for v in node)
-    return deepest
+            children = node
+        else:
+            text_ok = text_ok and (not isinstance(node, str) or _unicode_ok(node))
+            continue
+        if children:
+            deepest = max(deepest, depth + 1)
+        if deepest > limit:
+            return deepest, text_ok
+        for child in children:
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1))
+            elif isinstance(child, str) and text_ok:
+                text_ok = _unicode_ok(child)
+    return deepest, text_ok
+
+
+# A JSON text's strings (escapes included) and runs of brackets: enough to see its structure without
+# decoding it (readable_id).
+_JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{]+|[\]}]+')
+
+
+def readable_id(text: str | bytes) -> str | None:
+    """The request id of a JSON object that cannot be decoded whole: nested too deeply for the decoder,
+    broken inside a nested value, or too large. Every value nested in the top-level object is replaced
+    by `null` (found by bracket counting outside strings) and what is left is decoded; its `id`, when
+    valid, is returned. None when the top level itself is broken or the text is not an object: then
+    nobody can say which request it was."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", errors="surrogateescape")
+    kept: list[str] = []
+    depth, start = 0, 0
+    for m in _JSON_TOKEN.finditer(text):
+        token = m.group()
+        if token[0] == '"':
+            continue
+        if token[0] in "[{":
+            if depth <= 1 < depth + len(token):  # this run enters a value nested in the top level
+                cut = m.start() + 1 - depth
+                kept.append(text[start:cut])
+                start = -1
+            depth += len(token)
+        else:
+            if depth - len(token) <= 1 < depth and start == -1:  # back at the top level
+                end = m.start() + depth - 1
+                kept.append("null")
+                start = end
+            depth -= len(token)
+            if depth < 0:
+                return None
+    if start == -1 or depth != 0:
+        return None
+    kept.append(text[start:])
+    try:
+        top = json.loads("".join(kept))
+    except (ValueError, RecursionError):
+        return None
+    rid = top.get("id") if isinstance(top, dict) else None
+    return rid if isinstance(rid, str) and ID_RE.match(rid) else None
 
 
 def split_fields(fields: dict[Any, Any]) -> tuple[str, bytes]:
@@ -142,25 +216,29 @@ def split_fields(fields: dict[Any, Any]) -> tuple[str, bytes]:
     return present[0], raw.encode() if isinstance(raw, str) else raw
 
 
-def decode_payload(encoding: str, raw: bytes, limits: Limits = Limits()) -> Any:
+def decode_payload(encoding: str, raw: bytes, limits: Limits = Limits(), *, check_depth: bool = True,
+                   text_errors: str = "strict") -> Any:
+    """Decode one payload within `limits`. `text_errors="surrogateescape"` (jobs) decodes bytes that are
+    not UTF-8 into lone surrogates instead of failing, so that the payload's id can still be read and
+    the schema check refuses the text with it (parse_job)."""
     if len(raw) > limits.max_payload_bytes:
         raise ProtocolError(
             "too_large", f"payload is {len(raw)} bytes; the limit is {limits.max_payload_bytes}"
         )
     try:
         if encoding == "json":
-            obj = json.loads(raw.decode("utf-8"))
+            obj = json.loads(raw.decode("utf-8", errors=text_errors))
         else:
             n = limits.max_items
             # Strings and binaries cannot outgrow the payload, already bounded above; ext types are refused.
             obj = msgpack.unpackb(raw, raw=False, strict_map_key=False, max_array_len=n, max_map_len=n,
-                                  max_ext_len=0)
+                                  max_ext_len=0, unicode_errors=text_errors)
     except RecursionError as e:  # json: too deeply nested to decode at all
         raise ProtocolError("bad_encoding", "payload is nested too deeply") from e
     except Exception as e:  # any decoder failure is the client's bad bytes, never the worker's crash
         kind = type(e).__name__
         raise ProtocolError("bad_encoding", f"cannot decode {encoding} payload ({kind}: {e})"[:300]) from e
-    if _depth(obj, limits.max_depth) > limits.max_depth:
+    if check_depth and _depth(obj, limits.max_depth) > limits.max_depth:
         raise ProtocolError("bad_encoding", f"payload is nested deeper than {limits.max_depth} levels")
     return obj
 
@@ -181,6 +259,12 @@ def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
 
     if request_id is None:
         raise bad("`id` must be a string of 1-128 characters from A-Z a-z 0-9 . _ : @ / + = -")
+    depth, text_ok = _walk(obj, limits.max_depth)
+    if depth > limits.max_depth:
+        raise bad(f"payload is nested deeper than {limits.max_depth} levels", "bad_encoding")
+    if not text_ok:  # before any message that quotes the job's strings
+        raise bad("every string must be valid Unicode: one holds a lone surrogate (an unpaired \\ud800-"
+                  "\\udfff escape) or bytes that are not UTF-8")
     unknown = sorted(str(k) for k in obj if k not in JOB_FIELDS)
     if unknown:
         raise bad(f"unknown field(s) {unknown}; allowed: {sorted(JOB_FIELDS)}")
@@ -198,6 +282,8 @@ def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
         ids = obj["prompt_token_ids"]
         if not isinstance(ids, list) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
             raise bad("`prompt_token_ids` must be a non-empty list of non-negative integers")
+        if len(ids) > limits.max_items:
+            raise bad(f"`prompt_token_ids` holds {len(ids)} ids; at most {limits.max_items}")
         job.prompt_token_ids = ids
     else:
         job.messages = _parse_messages(obj["messages"], limits, bad)
@@ -227,9 +313,17 @@ def _parse_messages(messages: Any, limits: Limits, bad: Any) -> list[dict[str, s
 
 
 def decode_job(fields: dict[Any, Any], limits: Limits = Limits()) -> Job:
-    """A request-stream entry's fields -> Job, or ProtocolError (with `request_id` when readable)."""
+    """A request-stream entry's fields -> Job, or ProtocolError (with `request_id` when readable: also
+    for a payload nested too deeply, holding text that is not UTF-8, or, in JSON, too large or broken
+    only inside a nested value)."""
     encoding, raw = split_fields(fields)
-    obj = decode_payload(encoding, raw, limits)
+    try:
+        obj = decode_payload(encoding, raw, limits, check_depth=False, text_errors="surrogateescape")
+    except ProtocolError as e:
+        # An oversized payload is only looked into up to a bound: reading it at all is what the limit prevents.
+        if encoding == "json" and len(raw) <= 4 * limits.max_payload_bytes:
+            e.request_id = readable_id(raw)
+        raise
     return parse_job(obj, encoding, limits)
 
 

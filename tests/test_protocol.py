@@ -19,6 +19,8 @@ from clients.protocol import (
     encode_job,
     error_event,
     event_stream_id,
+    parse_job,
+    readable_id,
     seq_of_stream_id,
     token_event,
 )
@@ -76,7 +78,8 @@ def test_invalid_jobs(obj, code, has_id):
     ({b"json": b"[" * 100_000 + b"]" * 100_000}, "bad_encoding"),  # deep JSON
     ({b"msgpack": b"\x91" * 100_000 + b"\xc0"}, "bad_encoding"),  # deep msgpack
     ({b"msgpack": b"\xdf\xff\xff\xff\xff"}, "bad_encoding"),  # a map claiming 4G entries
-    ({b"json": b'{"v":1,"id":"x","prompt":"' + b"a" * (1 << 20) + b'"}'}, "too_large"),
+    ({b"msgpack": msgpack.packb({"v": 1, "id": "x", "prompt": "a" * (1 << 20)})}, "too_large"),
+    ({b"json": b'{"v":1,"id":"x","prompt":"' + b"a" * (4 << 20) + b'"}'}, "too_large"),  # not even looked into
 ])
 def test_undecodable(fields, code):
     with pytest.raises(ProtocolError) as info:
@@ -265,6 +268,54 @@ def test_payload_size_and_depth_limits_are_inclusive():
     with pytest.raises(ProtocolError) as info:
         decode_job(job_fields(nested), Limits(max_depth=5))
     assert (info.value.code, str(info.value)) == ("bad_encoding", "payload is nested deeper than 5 levels")
+
+
+# (entry fields, expected code): each is refused, and the error carries the id "x" (issue 13: a job
+# whose id can be read is answered with an error event, never only dead-lettered).
+REFUSED_WITH_ID = [
+    (job_fields({"v": 1, "id": "x", "prompt": "p", "params": {"a": [[[[1]]]]}}), "bad_encoding"),  # 7 levels
+    (job_fields({"v": 1, "id": "x", "prompt": "p", "params": {"a": [[[[1]]]]}}, "msgpack"), "bad_encoding"),
+    ({b"json": b'{"v":1,"id":"x","prompt":"p","params":{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}}"},
+     "bad_encoding"),  # too deep for the JSON decoder itself
+    ({b"json": b'{"v":1,"id":"x","prompt":"p","params":{"max_tokens":1,}}'}, "bad_encoding"),  # broken inside
+    ({b"json": b'{"v":1,"id":"x","prompt":"' + b"a" * (1 << 20) + b'"}'}, "too_large"),
+    ({b"json": b'{"v":1,"id":"x","prompt":"a\\ud800b"}'}, "invalid_request"),  # a lone surrogate escape
+    ({b"json": b'{"v":1,"id":"x","messages":[{"role":"user","content":"\xff\xfe"}]}'}, "invalid_request"),
+    ({b"msgpack": b"\x83\xa1v\x01\xa2id\xa1x\xa6prompt\xa3\xed\xa0\x80"}, "invalid_request"),  # UTF-8 of U+D800
+    ({b"msgpack": msgpack.packb({"v": 1, "id": "x", "prompt": "p", "params": {"stop": ["\udcff"]}},
+                                unicode_errors="surrogateescape")}, "invalid_request"),  # a stop string of byte 0xff
+    (job_fields({"v": 1, "id": "x", "prompt_token_ids": [1] * 11}), "invalid_request"),  # over max_items (10)
+]
+
+
+@pytest.mark.parametrize("fields, code", REFUSED_WITH_ID)
+def test_refused_jobs_carry_their_id_when_it_can_be_read(fields, code):
+    with pytest.raises(ProtocolError) as info:
+        decode_job(fields, Limits(max_items=10))
+    assert (info.value.code, info.value.request_id) == (code, "x"), info.value.message
+    json.dumps(info.value.message).encode()  # the message itself never quotes unencodable text
+
+
+def test_lone_surrogates_are_refused_before_anything_quotes_them():
+    with pytest.raises(ProtocolError) as info:
+        parse_job({"v": 1, "id": "x", "prompt": "p", "\ud800": 1}, "json")  # an unknown field, but unencodable
+    assert info.value.code == "invalid_request" and "valid Unicode" in info.value.message
+    # Paired surrogate escapes are one ordinary character.
+    assert decode_job({b"json": b'{"v":1,"id":"x","prompt":"\\ud83d\\ude00"}'}).prompt == "\U0001f600"
+
+
+@pytest.mark.parametrize("text, rid", [
+    ('{"id":"a","p":' + "[" * 5000 + "]" * 5000 + "}", "a"),
+    ('{"p":{"q":[1,{"r":"}]"}]},"id":"late"}', "late"),  # brackets inside strings do not count
+    ('{"id":"a","p":{"x":1,}}', "a"),
+    ('{"id":"a","p":"unterminated}', None),
+    ('{"id":"bad id","p":[[]]}', None),
+    ('{"id":"a"}}', None),
+    ("[" * 100 + "]" * 100, None),
+    ('{"id":"a","p":[[[', None),
+])
+def test_readable_id(text, rid):
+    assert readable_id(text) == rid
 
 
 def test_undecodable_payloads_name_the_decoder_error():

@@ -1,14 +1,24 @@
-"""Redis options shared by the commands that speak the protocol (worker, generate), and the one
-start-up check that Redis is there (worker, generate, up)."""
+"""Redis options shared by the commands that speak the protocol (worker, gateway, generate), the
+asyncio client every long-running process uses (`async_client`: a bounded pool that queues), and
+the one start-up check that Redis is there (worker, generate, up)."""
 
 from __future__ import annotations
 
 import argparse
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
+import redis.asyncio as aioredis
 
 from clients.protocol import Names
 from workers.errors import RedisUnavailable, redact_url, redis_hint
+
+# Connections one process opens to Redis at most (its pub/sub connection included). Redis serves
+# commands one at a time: past a few dozen connections more only cost memory on both sides, while
+# a burst of requests queues for a free connection instead of failing (`async_client`).
+DEFAULT_MAX_CONNECTIONS = 64
+# How long a command waits for a free connection before it fails (then: Redis is unavailable).
+DEFAULT_POOL_TIMEOUT_S = 20.0
 
 
 def add_redis_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,9 +28,44 @@ def add_redis_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cancel-channel", default="", help="cancel channel (default PREFIX:cancel)")
 
 
+def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
+    """The bound of a long-running process's Redis connections (worker, gateway)."""
+    parser.add_argument("--redis-max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                        help="most connections to Redis; commands beyond them wait for a free one")
+    parser.add_argument("--redis-pool-timeout", type=float, default=DEFAULT_POOL_TIMEOUT_S,
+                        help="seconds a command waits for a free Redis connection before failing")
+
+
 def names_from_args(args: argparse.Namespace) -> Names:
     return Names(prefix=args.prefix, requests=args.requests_stream, cancel=args.cancel_channel,
                  group=getattr(args, "group", ""), dead=getattr(args, "dead_stream", ""))
+
+
+def pool_url(url: str, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+             timeout_s: float = DEFAULT_POOL_TIMEOUT_S) -> str:
+    """`url` with the pool's bound in its query (`max_connections`, `timeout`: redis-py reads both),
+    unless the URL already names them: the URL the operator wrote wins."""
+    given = {k for k, _ in parse_qsl(urlsplit(url).query, keep_blank_values=True)}
+    missing = [(k, v) for k, v in (("max_connections", max_connections), ("timeout", timeout_s))
+               if k not in given]
+    if not missing:
+        return url
+    return url + ("&" if "?" in url else "?") + urlencode(missing)
+
+
+def async_client(url: str, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 timeout_s: float = DEFAULT_POOL_TIMEOUT_S, **kwargs: object) -> aioredis.Redis:
+    """An asyncio client whose pool holds at most `max_connections` connections. A command that finds
+    them all busy waits up to `timeout_s` for one (then redis.ConnectionError, like a Redis that is
+    down) instead of failing at once as redis-py's default pool does when it is full: a burst of
+    requests is served a little later, not refused. `max_connections` / `timeout` in the URL's query
+    win over the arguments. `kwargs` are connection options (socket timeouts, health checks)."""
+    if max_connections < 1:
+        raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+    # redis-py lets the URL's query override these keyword arguments.
+    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=timeout_s,
+                                                    **kwargs)
+    return aioredis.Redis.from_pool(pool)  # closing the client closes its pool
 
 
 def sync_client(url: str) -> redis.Redis:

@@ -11,6 +11,7 @@ from pathlib import Path
 from workers.errors import UserError
 from workers.gateway.config import GatewayConfig
 from workers.gateway.server import running_gateway
+from workers.redis_options import add_pool_arguments
 
 log = logging.getLogger("streamer.gateway")
 
@@ -21,10 +22,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=d.port, help="port for /ws, the chat page, /healthz, /metrics")
     parser.add_argument("--redis", default=d.redis_url, help="Redis URL (redis://[:PASSWORD@]HOST:PORT/DB)")
     parser.add_argument("--prefix", default=d.prefix, help="prefix of every Redis key (as the worker's)")
+    add_pool_arguments(parser)
     parser.add_argument("--api-key", action="append", default=None, dest="api_key",
                         help="accept this API key (repeat for several); none given: no key needed")
     parser.add_argument("--api-keys-file", type=Path, default=None,
                         help="file with one API key per line (# comments allowed)")
+    parser.add_argument("--insecure-no-auth", action="store_true",
+                        help="serve without an API key on a non-loopback --host (anyone who reaches the "
+                             "port may use it); without this flag such a gateway refuses to start")
     parser.add_argument("--allowed-origin", action="append", default=None, dest="allowed_origin",
                         help="origin allowed to open /ws, e.g. https://chat.example.com (repeatable; "
                              "'*' allows any); none given: only the gateway's own page")
@@ -32,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest client frame accepted")
     parser.add_argument("--max-inflight", type=int, default=d.max_inflight,
                         help="requests streaming at once per connection")
+    parser.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
+                        help="longest prompt_token_ids accepted (0: the longest context a live worker "
+                             "announces, no check while none does)")
     parser.add_argument("--max-connections", type=int, default=d.max_connections,
                         help="open WebSockets; more are refused with HTTP 503")
     parser.add_argument("--send-queue-bytes", type=int, default=d.send_queue_bytes,
@@ -58,9 +66,12 @@ def _read_keys(path: Path | None) -> list[str]:
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     keys = [*(k for k in (args.api_key or []) if k), *_read_keys(args.api_keys_file)]
     return GatewayConfig(host=args.host, port=args.port, redis_url=args.redis, prefix=args.prefix,
-                         api_keys=tuple(keys), allowed_origins=tuple(args.allowed_origin or ()),
+                         redis_max_connections=args.redis_max_connections,
+                         redis_pool_timeout_s=args.redis_pool_timeout,
+                         api_keys=tuple(keys), insecure_no_auth=args.insecure_no_auth,
+                         allowed_origins=tuple(args.allowed_origin or ()),
                          max_frame_bytes=args.max_frame_bytes, max_inflight=args.max_inflight,
-                         max_connections=args.max_connections,
+                         max_prompt_tokens=args.max_prompt_tokens, max_connections=args.max_connections,
                          send_queue_bytes=args.send_queue_bytes, cancel_grace_s=args.cancel_grace,
                          request_ttl_s=args.request_ttl, web_root=args.web_root)
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from workers.redis_options import DEFAULT_MAX_CONNECTIONS, DEFAULT_POOL_TIMEOUT_S
 
 # The chat page ships in the client package: clients/web/.
 WEB_ROOT = Path(__file__).resolve().parents[2] / "clients" / "web"
@@ -14,11 +17,18 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (tests)
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_max_connections: int = DEFAULT_MAX_CONNECTIONS  # bound of the pool; more commands wait
+    redis_pool_timeout_s: float = DEFAULT_POOL_TIMEOUT_S  # longest wait for a free connection
     prefix: str = "llm"
     api_keys: tuple[str, ...] = ()  # empty: no key needed
+    # Without keys the gateway only listens on a loopback address, unless this says it may serve anyone.
+    insecure_no_auth: bool = False
     allowed_origins: tuple[str, ...] = ()  # empty: same origin only; "*": any
     max_frame_bytes: int = 1 << 20  # larger frames get an `error` frame
     max_inflight: int = 16  # requests streaming at once per connection
+    # Longest `prompt_token_ids` pushed; 0: the longest context a live worker announces (`max_model_len`
+    # in its heartbeat), no check while none does.
+    max_prompt_tokens: int = 0
     max_connections: int = 10000  # open WebSockets; more are refused with HTTP 503
     send_queue_bytes: int = 4 << 20  # per connection, beyond what the socket buffers hold
     cancel_grace_s: float = 10.0  # a closed socket's requests are cancelled after this, unless resumed
@@ -32,3 +42,19 @@ class GatewayConfig:
         """Frames past max_frame_bytes still get a polite error; past this, reading them at all is the
         attack, and websockets closes the socket with 1009."""
         return max(4 * self.max_frame_bytes, 1 << 16)
+
+    @property
+    def open_to_all(self) -> bool:
+        """Listening beyond this machine with no API key: anyone who reaches the port may use it."""
+        return not self.api_keys and not is_loopback(self.host)
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach (127.0.0.0/8, ::1, localhost). Any other name, and
+    the wildcards ("", 0.0.0.0, ::), may be reachable from elsewhere."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -16,8 +16,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from clients.backoff import TRANSIENT, Backoff
 from clients.errors import ProtocolError
 from clients.protocol import Names, decode_message, decode_payload, encode_job, event_stream_id, split_fields
@@ -25,6 +23,7 @@ from clients.redis_client import CANCEL_SCRIPT, SUBMIT_SCRIPT
 from workers.gateway.metrics import Metrics
 from workers.gateway.watch import Watch
 from workers.heartbeats import as_names, live_args, live_script
+from workers.redis_options import async_client
 
 log = logging.getLogger("streamer.gateway")
 
@@ -44,8 +43,7 @@ class Hub:
         self.names, self.metrics, self.ttl_ms, self.idle_poll_s = names, metrics, int(ttl_s * 1000), idle_poll_s
         # The health check PINGs an idle connection (pub/sub included) now and then, so a connection
         # that died silently is noticed and replaced instead of waiting forever.
-        self.redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=30,
-                                             health_check_interval=15)
+        self.redis = async_client(redis_url, socket_connect_timeout=5, socket_timeout=30, health_check_interval=15)
         self.pubsub = self.redis.pubsub()
         # The Python client's scripts: a job's id exists from its push on, and only such ids can be
         # cancelled (no key for a made-up id).

@@ -1,8 +1,8 @@
 """Plain HTTP on the gateway's port, and the checks a WebSocket handshake must pass.
 
 websockets parses every request on the port and calls `process_request` first: returning a Response
-answers it as plain HTTP (the chat page, /healthz, /metrics), returning None lets the upgrade to
-`/ws` go on. Refusals (bad API key, foreign origin) happen here, before any frame or job.
+answers it as plain HTTP (the chat page, /livez, /readyz, /healthz, /metrics), returning None lets the
+upgrade to `/ws` go on. Refusals (bad API key, foreign origin) happen here, before any frame or job.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import mimetypes
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from websockets.asyncio.server import ServerConnection
@@ -79,8 +80,10 @@ def origin_ok(request: Request, allowed: tuple[str, ...]) -> bool:
 class Routes:
     def __init__(self, web_root: Path, api_keys: tuple[str, ...], allowed_origins: tuple[str, ...],
                  health: Callable[[], Awaitable[tuple[bool, dict]]], metrics: Callable[[], str],
-                 on_refused: Callable[[], None], room: Callable[[], bool] = lambda: True) -> None:
+                 on_refused: Callable[[], None], room: Callable[[], bool] = lambda: True,
+                 live: Callable[[], dict[str, Any]] = lambda: {"ok": True}) -> None:
         self.files = static_files(web_root)
+        self.live = live
         self.room = room
         self.api_keys = api_keys
         self.allowed_origins = tuple(o.rstrip("/") for o in allowed_origins)
@@ -102,7 +105,9 @@ class Routes:
                 return response(503, "too many connections to this gateway; retry later\n",
                                 extra=[("Retry-After", "5")])
             return None
-        if path == "/healthz":
+        if path == "/livez":
+            return response(200, json.dumps(self.live()) + "\n", "application/json")
+        if path in ("/readyz", "/healthz"):  # /healthz: the name it always had, same meaning
             ok, body = await self.health()
             return response(200 if ok else 503, json.dumps(body) + "\n", "application/json")
         if path == "/metrics":

@@ -1,7 +1,8 @@
 """The gateway server: the browsers' door to the Redis worker (docs/gateway.md).
 
 One port serves the WebSocket endpoint `/ws` (jobs in, each request's events out, many requests per
-socket), the chat page and its files at `/`, `/healthz` and `/metrics`. The gateway holds no request
+socket), the chat page and its files at `/`, `/livez`, `/readyz` (and `/healthz`, the same as
+`/readyz`) and `/metrics`. The gateway holds no request
 state that matters: everything lives in Redis, so a browser that reloads, or reconnects to another
 gateway, resumes its answer from the events stream.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,11 +24,13 @@ from websockets.asyncio.server import Server, ServerConnection
 from websockets.asyncio.server import serve as ws_serve
 
 from clients.protocol import Limits, Names
+from workers.errors import UserError
 from workers.gateway.config import GatewayConfig
 from workers.gateway.hub import Hub
 from workers.gateway.metrics import Metrics
 from workers.gateway.routes import WS_PATH, Routes
 from workers.gateway.session import Session
+from workers.redis_options import pool_url
 
 log = logging.getLogger("streamer.gateway")
 
@@ -37,11 +41,19 @@ class Gateway:
         self.names = Names(prefix=config.prefix)
         self.limits = Limits(max_payload_bytes=config.max_frame_bytes)
         self.metrics = Metrics()
-        self.hub = Hub(config.redis_url, self.names, self.metrics, ttl_s=config.request_ttl_s,
+        # The pool's bound travels in the URL's query (redis-py reads it there).
+        redis_url = pool_url(config.redis_url, config.redis_max_connections, config.redis_pool_timeout_s)
+        self.hub = Hub(redis_url, self.names, self.metrics, ttl_s=config.request_ttl_s,
                        idle_poll_s=config.idle_poll_s)
         self.routes = Routes(config.web_root, config.api_keys, config.allowed_origins, self.health,
                              self.render_metrics, lambda: self.metrics.inc("connections_refused_total"),
-                             lambda: len(self.sessions) < config.max_connections)
+                             lambda: len(self.sessions) < config.max_connections, live=self.live)
+        self.started = time.monotonic()
+        # The longest context a live worker announced in its heartbeat (0: none did); refreshed by
+        # every readiness check and by a background loop.
+        self.workers_max_model_len = 0
+        self._watch_workers: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
         self.sessions: set[Session] = set()
         self._pending_cancels: dict[str, asyncio.TimerHandle] = {}
         self.hub.on_resumed = self.keep  # a resume through any gateway stops our grace-period cancel
@@ -61,6 +73,15 @@ class Gateway:
         return f"ws://{self.config.host}:{self.port}{WS_PATH}"
 
     async def start(self) -> None:
+        if self.config.open_to_all:
+            if not self.config.insecure_no_auth:
+                raise UserError(f"refusing to serve on {self.config.host or 'all interfaces'} without an API "
+                                "key: anyone who reaches the port could use it. Pass --api-key KEY (or "
+                                "--api-keys-file FILE), listen on 127.0.0.1, or pass --insecure-no-auth if "
+                                "that is really what you want")
+            log.warning("INSECURE: listening on %s:%s with no API key (--insecure-no-auth): anyone who can "
+                        "reach this port can submit jobs and read or cancel any request whose id they know",
+                        self.config.host or "*", self.config.port)
         await self.hub.start()
         try:
             self.server = await ws_serve(
@@ -74,6 +95,7 @@ class Gateway:
         except BaseException:
             await self.hub.close()
             raise
+        self._watch_workers = asyncio.create_task(self._workers_loop())
         log.info("gateway on %s (WebSocket %s), Redis prefix %r", self.url, self.ws_url, self.config.prefix)
 
     async def close(self) -> None:
@@ -85,10 +107,14 @@ class Gateway:
         if self.server is not None:
             self.server.close()  # closes open connections too (1001 going away)
             await self.server.wait_closed()
+        self._stopping.set()
+        if self._watch_workers is not None:
+            self._watch_workers.cancel()
+            await asyncio.wait({self._watch_workers}, timeout=self.config.close_timeout_s)
         await self.hub.close()
 
     async def _handle(self, ws: ServerConnection) -> None:
-        session = Session(ws, self.config, self.hub, self.metrics, self.limits, self)
+        session = Session(ws, self.config, self.hub, self.metrics, self.limits, self, self.prompt_limit)
         self.sessions.add(session)
         self.metrics.inc("connections_total")
         try:
@@ -125,14 +151,44 @@ class Gateway:
     # --- HTTP --------------------------------------------------------------------------------------
 
     async def health(self) -> tuple[bool, dict[str, Any]]:
+        """Readiness (`/readyz`, `/healthz`): Redis answers and at least one worker is alive."""
         redis_ok = await self.hub.ping()
         workers: list[dict[str, str]] = []
         if redis_ok:
             with contextlib.suppress(Exception):
                 workers = await asyncio.wait_for(self.hub.workers(), timeout=2)
+                self._learn(workers)
         ok = redis_ok and bool(workers)
         return ok, {"ok": ok, "redis": redis_ok, "workers": workers,
                     "connections": len(self.sessions)}
+
+    def live(self) -> dict[str, Any]:
+        """Liveness (`/livez`): this process serves HTTP. Asks nothing of Redis or the workers, so a
+        worker still loading its model, or Redis restarting, never reads as a dead gateway."""
+        return {"ok": True, "connections": len(self.sessions),
+                "uptime_s": round(time.monotonic() - self.started, 1)}
+
+    # --- what the workers can take -----------------------------------------------------------------
+
+    def prompt_limit(self) -> int:
+        """Longest `prompt_token_ids` to push: --max-prompt-tokens, else what the workers announce (a
+        prompt of max_model_len tokens leaves no room for an answer), else 0 (no check)."""
+        if self.config.max_prompt_tokens > 0:
+            return self.config.max_prompt_tokens
+        return max(0, self.workers_max_model_len - 1)
+
+    def _learn(self, workers: list[dict[str, str]]) -> None:
+        lens = [int(w["max_model_len"]) for w in workers if str(w.get("max_model_len", "")).isdigit()]
+        self.workers_max_model_len = max(lens, default=0)
+
+    async def _workers_loop(self, every_s: float = 5.0) -> None:
+        # Ends on `_stopping`, not only on cancel: a cancel that lands inside a Redis call can be
+        # swallowed there (seen with redis-py on Python 3.11), and close() must never hang on it.
+        while not self._stopping.is_set():
+            with contextlib.suppress(Exception):  # Redis away: keep the last known value
+                self._learn(await self.hub.workers())
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), every_s)
 
     def render_metrics(self) -> str:
         self.metrics.values["connections_open"] = len(self.sessions)

@@ -3,7 +3,11 @@
 Frames are handled one at a time in arrival order (a `cancel` sent right after its `generate` is seen
 after the job was pushed). Nothing a client sends can end the connection except an oversized frame
 beyond the hard limit (websockets closes with 1009) or not reading fast enough (closed with
-CLOSE_SLOW_CONSUMER); every other mistake is answered with an `error` frame.
+CLOSE_SLOW_CONSUMER); every other mistake is answered with an `error` frame that carries the frame's
+request id whenever it can be read (also from a frame too large, too deep or broken inside a nested
+value: clients.protocol.readable_id), so a client waiting for that request is never left waiting.
+Everything a worker would refuse without being able to answer (nesting, text that is not Unicode,
+size) is refused here, before the job is pushed.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import json
 import logging
 import uuid
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from websockets.asyncio.server import ServerConnection
@@ -21,7 +26,7 @@ from websockets.exceptions import ConnectionClosed
 
 from clients.backoff import TRANSIENT
 from clients.errors import ProtocolError
-from clients.protocol import ID_RE, VERSION, Limits, parse_job
+from clients.protocol import ID_RE, VERSION, Limits, parse_job, readable_id
 from workers.gateway.config import GatewayConfig
 from workers.gateway.hub import Hub
 from workers.gateway.metrics import Metrics
@@ -39,9 +44,24 @@ def _size(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode())
 
 
+# `after_seq` beyond this cannot be a seq (Redis stream ids are 64-bit; seq n is stored as 0-(n+1)).
+_MAX_SEQ = 2**63 - 2
+
+
 def _error_frame(request_id: str | None, code: str, message: str) -> str:
+    # ASCII only: a message that quotes a client's bad text (a lone surrogate) must still be sendable.
     return json.dumps({"type": "error", "id": request_id, "code": code, "message": message,
-                       "source": "gateway"}, ensure_ascii=False)
+                       "source": "gateway"})
+
+
+def _frame_id(obj: dict[str, Any]) -> str | None:
+    """The frame's request id when it is a valid one (only such ids are echoed back in errors)."""
+    rid = obj.get("id")
+    return rid if isinstance(rid, str) and ID_RE.match(rid) else None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _request_id(obj: dict[str, Any]) -> str:
@@ -66,9 +86,10 @@ class GraceCancels(Protocol):
 
 class Session:
     def __init__(self, ws: ServerConnection, config: GatewayConfig, hub: Hub, metrics: Metrics,
-                 limits: Limits, grace: GraceCancels) -> None:
+                 limits: Limits, grace: GraceCancels, prompt_limit: Callable[[], int] = lambda: 0) -> None:
         self.ws, self.cfg, self.hub, self.metrics = ws, config, hub, metrics
         self.limits, self.grace = limits, grace
+        self.prompt_limit = prompt_limit  # longest prompt_token_ids a worker can take now (0: unknown)
         self.requests: dict[str, Watch] = {}
         self._queue: deque[tuple[str, int]] = deque()
         self._queued_bytes = 0
@@ -143,19 +164,22 @@ class Session:
         if isinstance(frame, bytes):
             return self.error(None, "bad_frame", "frames must be JSON text, not binary")
         if len(frame) > self.cfg.max_frame_bytes or _size(frame) > self.cfg.max_frame_bytes:
-            return self.error(None, "too_large", f"frame is over {self.cfg.max_frame_bytes} bytes")
+            return self.error(readable_id(frame), "too_large", f"frame is over {self.cfg.max_frame_bytes} bytes")
         try:
-            obj = json.loads(frame)
+            # NaN and Infinity are Python's extension, not JSON: nobody else could read such a job.
+            obj = json.loads(frame, parse_constant=_reject_constant)
+        except RecursionError:
+            return self.error(readable_id(frame), "bad_json", "frame is nested too deeply to decode")
         except ValueError as e:
-            return self.error(None, "bad_json", f"frame is not JSON: {e}"[:200])
+            return self.error(readable_id(frame), "bad_json", f"frame is not JSON: {e}"[:200])
         if not isinstance(obj, dict):
             return self.error(None, "bad_frame", "a frame must be a JSON object with a `type`")
-        rid = obj.get("id") if isinstance(obj.get("id"), str) else None
+        rid = _frame_id(obj)
         handler = {"generate": self._generate, "cancel": self._cancel, "resume": self._resume}.get(
             obj.get("type"))  # type: ignore[arg-type]
         if handler is None:
-            return self.error(rid, "unknown_type", f"unknown frame type {obj.get('type')!r}; "
-                              "expected generate, cancel or resume")
+            return self.error(rid, "unknown_type", f"unknown frame type {obj.get('type')!r}"[:200]
+                              + "; expected generate, cancel or resume")
         try:
             await handler(obj)
         except ProtocolError as e:
@@ -164,6 +188,10 @@ class Session:
             self.metrics.inc("redis_errors_total")
             log.warning("request %s: Redis unavailable: %r", rid, e)
             self.error(rid, "redis_unavailable", "the gateway cannot reach Redis right now; retry shortly")
+        except Exception as e:  # a bug, or Redis refusing a command: answered, and the socket goes on
+            log.exception("request %s: %s frame failed", rid, obj.get("type"))
+            self.error(rid, "internal", f"the gateway failed on this frame ({type(e).__name__}); "
+                       "retry, or report it if it persists")
 
     def _check_room(self, rid: str) -> None:
         if rid in self.requests:
@@ -178,7 +206,12 @@ class Session:
         if fields.get("id") is None:
             fields["id"] = uuid.uuid4().hex
         job = {"v": VERSION, **fields}
-        rid = parse_job(job, "json", self.limits).id
+        # The worker's own checks (schema, nesting, Unicode), so that nothing it could only dead-letter
+        # without an answer is ever pushed.
+        parsed = parse_job(job, "json", self.limits)
+        rid = parsed.id
+        self._check_prompt(parsed.prompt_token_ids, rid)
+        self._check_encoded(job, rid)
         self._check_room(rid)
         if not await self.hub.claim(rid):
             raise ProtocolError("duplicate_id", f"id {rid!r} is already used by another request", rid)
@@ -193,10 +226,26 @@ class Session:
                 await self.hub.release(rid)
             raise
 
+    def _check_prompt(self, token_ids: list[int] | None, rid: str) -> None:
+        limit = self.prompt_limit()
+        if token_ids is not None and limit and len(token_ids) > limit:
+            raise ProtocolError("invalid_request", f"`prompt_token_ids` holds {len(token_ids)} tokens; the "
+                                f"workers take at most {limit}", rid)
+
+    def _check_encoded(self, job: dict[str, Any], rid: str) -> None:
+        """The job as the worker will read it: standard JSON, within the payload limit."""
+        try:
+            size = len(json.dumps(job, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode())
+        except ValueError as e:  # a float out of JSON's range (1e999 decodes as infinity)
+            raise ProtocolError("invalid_params", f"numbers must be finite: {e}", rid) from e
+        if size > self.limits.max_payload_bytes:
+            raise ProtocolError("too_large", f"the job is {size} bytes as JSON; the limit is "
+                                f"{self.limits.max_payload_bytes}", rid)
+
     async def _resume(self, obj: dict[str, Any]) -> None:
         rid = _request_id(obj)
         after = obj.get("after_seq", -1)
-        if not isinstance(after, int) or isinstance(after, bool) or after < -1:
+        if not isinstance(after, int) or isinstance(after, bool) or not -1 <= after <= _MAX_SEQ:
             raise ProtocolError("invalid_request", "`after_seq` must be an integer >= -1 (the last seq "
                                 "received; -1 replays from the start)", rid)
         self._check_room(rid)
@@ -206,9 +255,15 @@ class Session:
         if not await self.hub.known(rid):
             raise ProtocolError("unknown_request", f"no request {rid!r} (never submitted, or expired)", rid)
         last = await self.hub.last_event(rid)
-        if last is not None and last.get("type") in FINAL_TYPES and last.get("seq", 0) <= after:
-            raise ProtocolError("already_finished", f"request {rid!r} finished at seq {last.get('seq')}",
-                                rid)
+        last_seq = last.get("seq") if last is not None else None
+        last_seq = last_seq if isinstance(last_seq, int) and not isinstance(last_seq, bool) else -1
+        if last is not None and last.get("type") in FINAL_TYPES and last_seq <= after:
+            raise ProtocolError("already_finished", f"request {rid!r} finished at seq {last_seq}", rid)
+        if after > last_seq:
+            # Nobody can have received a seq that is not written yet: the client's state is not this
+            # request's (a wrong id, events that expired). Waiting for it could take forever.
+            raise ProtocolError("invalid_request", f"`after_seq` {after} is beyond request {rid!r}'s last "
+                                f"event (seq {last_seq}); resume after a seq you received, or -1", rid)
         self.metrics.inc("resumes_total")
         await self._watch(rid, after + 1, catch_up=True)
 

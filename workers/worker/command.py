@@ -19,7 +19,7 @@ import anyio
 
 from clients.protocol import Limits
 from streamer import EngineConfig
-from workers.redis_options import add_redis_arguments, check_redis, names_from_args
+from workers.redis_options import add_pool_arguments, add_redis_arguments, check_redis, names_from_args
 from workers.worker.config import WorkerConfig
 
 # Short aliases for the options people type most.
@@ -82,6 +82,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     add_redis_arguments(parser)
+    add_pool_arguments(parser)
     w = parser.add_argument_group("worker")
     w.add_argument("--group", default="", help="consumer group (default PREFIX:workers)")
     w.add_argument("--dead-stream", default="", help="dead-letter stream (default PREFIX:dead)")
@@ -106,7 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
-    return WorkerConfig(redis_url=args.redis, names=names_from_args(args),
+    return WorkerConfig(redis_url=args.redis, redis_max_connections=args.redis_max_connections,
+                        redis_pool_timeout_s=args.redis_pool_timeout, names=names_from_args(args),
                         limits=Limits(max_payload_bytes=args.max_payload_bytes), consumer=args.consumer,
                         events_ttl_s=args.events_ttl, claim_idle_s=args.claim_idle,
                         max_deliveries=args.max_deliveries, grace_s=args.grace, model_name=args.model,

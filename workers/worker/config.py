@@ -8,11 +8,14 @@ import uuid
 from dataclasses import dataclass, field
 
 from clients.protocol import Limits, Names
+from workers.redis_options import DEFAULT_MAX_CONNECTIONS, DEFAULT_POOL_TIMEOUT_S
 
 
 @dataclass
 class WorkerConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_max_connections: int = DEFAULT_MAX_CONNECTIONS  # bound of the pool; more commands wait
+    redis_pool_timeout_s: float = DEFAULT_POOL_TIMEOUT_S  # longest wait for a free connection
     names: Names = field(default_factory=Names)
     limits: Limits = field(default_factory=Limits)
     consumer: str = ""  # unique per process; default host-pid-random

@@ -19,9 +19,9 @@ from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
-from redis.asyncio import Redis
 
 from clients.backoff import TRANSIENT
+from workers.redis_options import async_client
 from workers.worker.answers import Answers
 from workers.worker.attempts import Attempts
 from workers.worker.cancel import CancelListener
@@ -42,7 +42,8 @@ class Worker:
 
     def __init__(self, engine: Engine, config: WorkerConfig) -> None:
         self.engine, self.cfg, self.names = engine, config, config.names
-        self.redis = Redis.from_url(config.redis_url, socket_connect_timeout=2)
+        self.redis = async_client(config.redis_url, config.redis_max_connections, config.redis_pool_timeout_s,
+                                  socket_connect_timeout=2)
         self.state = WorkerState(engine.admission_capacity)
         self.writer = EventWriter(self.redis, self.names, int(config.events_ttl_s * 1000),
                                   on_fenced=self.state.fenced)
