@@ -37,5 +37,9 @@ USER streamer
 
 EXPOSE 8000
 ENTRYPOINT ["streamer"]
-# Inside a container the gateway must listen on all interfaces to be reachable from the host.
+# Inside a container the gateway must listen on all interfaces to be reachable from the host, and
+# the gateway refuses to do that without an API key: run it with one,
+#   docker run -e STREAMER_API_KEY="$(openssl rand -hex 16)" -p 127.0.0.1:8000:8000 IMAGE
+# (the chat page asks for the key in its settings). Serving everyone who can reach the port takes
+# an explicit `up --host 0.0.0.0 --insecure-no-auth`.
 CMD ["up", "--host", "0.0.0.0"]

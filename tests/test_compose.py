@@ -5,6 +5,7 @@ settings the issue asks for are there."""
 import json
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -106,9 +107,59 @@ def test_gateway_port_and_healthcheck(compose: dict) -> None:
     assert gateway["ports"] == ["127.0.0.1:${PORT:-8000}:8000"]
     args = command_parser("gateway").parse_args(gateway["command"][1:])
     assert args.port == 8000
+    # Liveness only: a worker still loading its model must not make the gateway unhealthy.
     check = gateway["healthcheck"]["test"]
-    assert check[:3] == ["CMD", "python", "-c"] and "http://127.0.0.1:8000/healthz" in check[3]
+    assert check[:3] == ["CMD", "python", "-c"] and "http://127.0.0.1:8000/livez" in check[3]
     compile(check[3], "healthcheck", "exec")
+
+
+def test_no_open_gateway_unless_said_so(compose: dict) -> None:
+    """Listening on all interfaces without a key takes --insecure-no-auth (the gateway refuses to start
+    otherwise); compose says it only because the port is published on the host's loopback alone, and
+    takes a key from API_KEY. The image's default command says nothing of the kind: without
+    STREAMER_API_KEY its gateway refuses to start."""
+    from workers.gateway.command import config_from_args
+    from workers.gateway.config import is_loopback
+
+    gateway = compose["services"]["gateway"]
+    config = config_from_args(command_parser("gateway").parse_args(gateway["command"][1:]))
+    assert config.open_to_all and config.insecure_no_auth
+    assert all(p.startswith("127.0.0.1:") for p in gateway["ports"])
+    assert gateway["environment"]["STREAMER_API_KEY"] == "${API_KEY:-}"
+    cmd = json.loads(re.search(r"^CMD (\[.*\])$", (ROOT / "Dockerfile").read_text(), re.M).group(1))
+    up = command_parser(cmd[0]).parse_args(cmd[1:])
+    assert not is_loopback(up.host) and not up.insecure_no_auth
+
+
+def test_worker_health_reads_starting_while_the_model_loads(compose: dict) -> None:
+    for name in ("worker", "worker-cpu"):
+        check = compose["services"][name]["healthcheck"]
+        assert check["test"][:3] == ["CMD", "python", "-c"]
+        compile(check["test"][3], "healthcheck", "exec")
+        # Loading a large model takes minutes: failures in that time do not count (state "starting").
+        assert check["start_period"] == "15m" and check["start_interval"] == "5s"
+
+
+def test_worker_healthcheck_against_a_real_redis(compose: dict, redis_url: str) -> None:
+    """The worker's healthcheck passes once a worker of this host beats in Redis, and only then."""
+    import redis as redis_lib
+
+    code = compose["services"]["worker"]["healthcheck"]["test"][3]
+    env = {"STREAMER_REDIS": redis_url, "PATH": ""}
+
+    def check() -> int:
+        return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                              timeout=60).returncode
+
+    assert check() == 1  # no worker yet: still loading
+    client = redis_lib.Redis.from_url(redis_url)
+    seconds, micros = client.time()
+    now_ms = seconds * 1000 + micros // 1000
+    client.zadd("llm:heartbeats", {"another-host-1-abc": now_ms})
+    assert check() == 1  # another container's worker does not count
+    client.zadd("llm:heartbeats", {f"{socket.gethostname()}-42-abcdef": now_ms})
+    assert check() == 0
+    client.close()
 
 
 def test_empty_model_means_the_default_model(tmp_path: Path) -> None:

@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "on a free port")
     parser.add_argument("--prefix", default="llm", help="prefix of every Redis name (worker and gateway)")
     parser.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
+    parser.add_argument("--insecure-no-auth", action="store_true",
+                        help="let the gateway serve without an API key on a non-loopback --host (passed on "
+                             "to `streamer gateway`; a key comes from STREAMER_API_KEY)")
     parser.add_argument("--port", type=int, default=8000, help="gateway port (0: any free port)")
     parser.add_argument("--device", default=None, help="device for the worker: cpu, cuda or cuda:N "
                                                        "(default: CUDA if available, else CPU)")
@@ -195,7 +198,9 @@ def _start_all(args: argparse.Namespace, local_host: str, port: int, phases: Pha
 
     with phases.phase("gateway", f"Gateway on {args.host}:{setup.port}"):
         started.start(Child("gateway", ["gateway", "--host", args.host, "--port", str(setup.port),
-                                        "--prefix", args.prefix], env=child_env))
+                                        "--prefix", args.prefix,
+                                        *(["--insecure-no-auth"] if args.insecure_no_auth else [])],
+                            env=child_env))
         wait_until(lambda: http_status(f"http://{setup.host}:{setup.port}/healthz") == 200,
                    started.children, 60.0, "starting the gateway")
     return setup

@@ -77,8 +77,8 @@ class Gateway:
             if not self.config.insecure_no_auth:
                 raise UserError(f"refusing to serve on {self.config.host or 'all interfaces'} without an API "
                                 "key: anyone who reaches the port could use it. Pass --api-key KEY (or "
-                                "--api-keys-file FILE), listen on 127.0.0.1, or pass --insecure-no-auth if "
-                                "that is really what you want")
+                                "STREAMER_API_KEY, --api-keys-file FILE), listen on 127.0.0.1, or pass "
+                                "--insecure-no-auth (STREAMER_INSECURE_NO_AUTH=1) if that is really what you want")
             log.warning("INSECURE: listening on %s:%s with no API key (--insecure-no-auth): anyone who can "
                         "reach this port can submit jobs and read or cancel any request whose id they know",
                         self.config.host or "*", self.config.port)
