@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 
 from clients.backoff import TRANSIENT, Backoff, retry
 from clients.errors import RequestFailed, UnknownRequest
@@ -53,6 +53,25 @@ redis.call('SET', KEYS[1], '1', 'PX', ARGV[3])
 redis.call('PUBLISH', ARGV[1], ARGV[2])
 return 1
 """
+
+
+async def push_job(redis: Any, names: Names, submit: Any, request_id: str, field_name: str,
+                   payload: bytes | str) -> None:
+    """Push a job onto its stream and record its owner (`job:{id}`): SUBMIT_SCRIPT, one atomic round
+    trip, on a single Redis. On a cluster the stream and `job:{id}` are in different slots, so they
+    are two commands: a client that dies between them leaves a job whose id exists only once a
+    worker reads it (until then it cannot be cancelled); nothing else changes."""
+    stream, owner = names.stream_for(request_id), names.job(request_id)
+    if not names.cluster:
+        await submit(keys=[stream, owner], args=[field_name, payload, KEY_TTL_MS])
+        return
+    entry = await redis.xadd(stream, {field_name: payload})
+    await redis.set(owner, entry, nx=True, px=KEY_TTL_MS)
+
+
+def connect(url: str, names: Names, **options: Any) -> Any:
+    """An asyncio client of a single Redis, or of a Redis Cluster when `names.cluster`."""
+    return (RedisCluster if names.cluster else Redis).from_url(url, **options)
 
 
 @dataclass
@@ -102,13 +121,14 @@ def build_job(request_id: str, prompt: str | None, messages: list[dict[str, str]
 
 class AsyncClient:
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "llm", encoding: str = "json",
-                 names: Names | None = None, retry_s: float = 30.0) -> None:
-        """`retry_s`: how long submit() and cancel() keep retrying while Redis is unreachable."""
+                 names: Names | None = None, retry_s: float = 30.0, cluster: bool = False) -> None:
+        """`retry_s`: how long submit() and cancel() keep retrying while Redis is unreachable.
+        `cluster`: `url` is a node of a Redis Cluster (or pass `names` with `cluster=True`)."""
         if encoding not in ("json", "msgpack"):
             raise ValueError("encoding must be json or msgpack")
         self.url, self.encoding, self.retry_s = url, encoding, retry_s
-        self.names = names or Names(prefix=prefix)
-        self.redis = Redis.from_url(url, socket_connect_timeout=3)
+        self.names = names or Names(prefix=prefix, cluster=cluster)
+        self.redis = connect(url, self.names, socket_connect_timeout=3)
         self._submit = self.redis.register_script(SUBMIT_SCRIPT)
         self._cancel = self.redis.register_script(CANCEL_SCRIPT)
 
@@ -128,11 +148,10 @@ class AsyncClient:
         request_id = id or uuid.uuid4().hex
         job = build_job(request_id, prompt, messages, prompt_token_ids, params, priority, deadline)
         ((field_name, payload),) = encode_job(job, self.encoding).items()
-        keys = [self.names.requests, self.names.job(request_id)]
         # Safe to retry: if a lost reply hides a first XADD that worked, the second copy carries the
         # same id and is refused by the worker as a duplicate.
-        await retry("submit", log, lambda: self._submit(keys=keys, args=[field_name, payload, KEY_TTL_MS]),
-                    self.retry_s)
+        await retry("submit", log, lambda: push_job(self.redis, self.names, self._submit, request_id, field_name,
+                                                    payload), self.retry_s)
         return request_id
 
     async def stream(self, request_id: str, after_seq: int = -1,

@@ -5,6 +5,7 @@ the one start-up check that Redis is there (worker, generate, up)."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
@@ -26,6 +27,8 @@ def add_redis_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix", default="llm", help="prefix of every Redis name")
     parser.add_argument("--requests-stream", default="", help="requests stream (default PREFIX:requests)")
     parser.add_argument("--cancel-channel", default="", help="cancel channel (default PREFIX:cancel)")
+    parser.add_argument("--request-shards", type=int, default=1,
+                        help="request streams jobs are spread over (the same for every client and worker)")
 
 
 def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,8 +40,10 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def names_from_args(args: argparse.Namespace) -> Names:
+    """`args.cluster` (set from check_redis) makes them a Redis Cluster's names (hash tags)."""
     return Names(prefix=args.prefix, requests=args.requests_stream, cancel=args.cancel_channel,
-                 group=getattr(args, "group", ""), dead=getattr(args, "dead_stream", ""))
+                 group=getattr(args, "group", ""), dead=getattr(args, "dead_stream", ""),
+                 cluster=getattr(args, "cluster", False), shards=getattr(args, "request_shards", 1))
 
 
 def pool_url(url: str, max_connections: int = DEFAULT_MAX_CONNECTIONS,
@@ -54,7 +59,7 @@ def pool_url(url: str, max_connections: int = DEFAULT_MAX_CONNECTIONS,
 
 
 def async_client(url: str, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 timeout_s: float = DEFAULT_POOL_TIMEOUT_S, **kwargs: object) -> aioredis.Redis:
+                 timeout_s: float = DEFAULT_POOL_TIMEOUT_S, cluster: bool = False, **kwargs: Any) -> Any:
     """An asyncio client whose pool holds at most `max_connections` connections. A command that finds
     them all busy waits up to `timeout_s` for one (then redis.ConnectionError, like a Redis that is
     down) instead of failing at once as redis-py's default pool does when it is full: a burst of
@@ -62,6 +67,10 @@ def async_client(url: str, max_connections: int = DEFAULT_MAX_CONNECTIONS,
     win over the arguments. `kwargs` are connection options (socket timeouts, health checks)."""
     if max_connections < 1:
         raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+    if cluster:
+        # A cluster client holds one bounded pool per node; one that is full raises MaxConnectionsError
+        # (a ConnectionError: retried with backoff like a Redis that is briefly unavailable).
+        return aioredis.RedisCluster.from_url(url, max_connections=max_connections, **kwargs)
     # redis-py lets the URL's query override these keyword arguments.
     pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=timeout_s,
                                                     **kwargs)
@@ -72,11 +81,20 @@ def sync_client(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=5)
 
 
-def check_redis(url: str) -> None:
-    """Fail fast with a one-line message when Redis is not there at start (later drops are retried)."""
+def check_redis(url: str) -> bool:
+    """Fail fast with a one-line message when Redis is not there at start (later drops are retried).
+    Returns whether it is a node of a Redis Cluster (then names carry hash tags: `Names.cluster`)."""
     client = sync_client(url)
     try:
         client.ping()
+        info = client.info("server")
+        if info.get("redis_mode") != "cluster":
+            return False
+        if int(str(info.get("redis_version", "0")).split(".")[0]) < 7:
+            raise RedisUnavailable(f"Redis at {redact_url(url)} is a cluster of Redis "
+                                   f"{info.get('redis_version')}: streamer needs Redis 7 or newer on a cluster "
+                                   "(sharded pub/sub)")
+        return True
     except redis.exceptions.AuthenticationError as exc:
         raise RedisUnavailable(f"Redis at {redact_url(url)} refused the credentials: put the "
                                "password in the URL (redis://:PASSWORD@HOST:PORT/0)") from exc

@@ -66,6 +66,7 @@ class RedisServer:
     # Only for a single-threaded owner (`streamer up` starts Redis first): it runs code between
     # fork and exec.
     die_with_parent: bool = False
+    cluster: bool = False  # a node of a Redis Cluster (LocalCluster joins them)
 
     @property
     def url(self) -> str:
@@ -85,6 +86,10 @@ class RedisServer:
                 "--appendfsync", "always" if self.appendonly else "no"]
         if self.password:
             args += ["--requirepass", self.password]
+        if self.cluster:
+            # The bus port is given: the default (port + 10000) does not exist for ports above 55535.
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                     "--cluster-node-timeout", "2000", "--cluster-port", str(free_port())]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=self.new_session,
                                      preexec_fn=_parent_death_signal() if self.die_with_parent else None)
@@ -116,6 +121,57 @@ class RedisServer:
         self.start()
 
     def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass
+class LocalCluster:
+    """A Redis Cluster of `masters` redis-server nodes on free loopback ports (no replicas), for
+    tests and benchmarks: every node AOF-backed, slots spread by `redis-cli --cluster create`."""
+
+    masters: int = 3
+    nodes: list[RedisServer] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        """Any node's URL: a cluster client discovers the others from it."""
+        return self.nodes[0].url
+
+    def start(self, timeout: float = 30.0) -> LocalCluster:
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise RedisNotFound("redis-cli not found: it comes with redis-server (`apt-get install redis-server`)")
+        self.nodes = [RedisServer(appendonly=True, cluster=True).start() for _ in range(self.masters)]
+        try:
+            addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
+            subprocess.run([cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout)
+            self._wait_ok(cli, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ok(self, cli: str, timeout: float) -> None:
+        """Until every node agrees the cluster is up (slots assigned and gossiped)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = [subprocess.run([cli, "-p", str(node.port), "cluster", "info"], capture_output=True,
+                                     text=True).stdout for node in self.nodes]
+            if all("cluster_state:ok" in state for state in states):
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"the local Redis Cluster was not ready within {timeout}s")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+            node.remove_data()
+
+    def __enter__(self) -> LocalCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -73,7 +73,7 @@ async def _generate(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_redis(args.redis)
+    args.cluster = check_redis(args.redis)
     try:
         return anyio.run(_generate, args, backend="asyncio")
     except KeyboardInterrupt:

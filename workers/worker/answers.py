@@ -40,9 +40,10 @@ class Answers:
         if error is not None:
             events = [*events, error_event(run.job.id, run.next_seq + len(events), error.code, error.message)]
         run.next_seq += len(events)
-        entry = run.entry_id
+        stream, entry = run.stream, run.entry_id
         self.writer.put(Write(run.job.id, run.job.encoding, events, ack_entry=entry if final else None,
-                              on_written=(lambda: self.state.release_entry(entry)) if final else None,
+                              ack_stream=stream,
+                              on_written=(lambda: self.state.release_entry(stream, entry)) if final else None,
                               epoch=run.epoch))
 
     async def fail(self, run: RunningJob, code: str, message: str) -> None:
@@ -58,10 +59,11 @@ class Answers:
                  error.message)
         await self.dead_letter(d.entry_id, d.fields, error)
         if error.request_id is None or not d.ours or d.state.finished:
-            await self.ack(d.entry_id)  # never write into another request's stream
+            await self.ack(d.stream, d.entry_id)  # never write into another request's stream
             return
         job = Job(id=error.request_id, encoding=_encoding_of(d.fields))
-        self.emit(RunningJob(job, d.entry_id, d.state.next_seq, d.fields, epoch=d.epoch), [], error=error)
+        self.emit(RunningJob(job, d.entry_id, d.state.next_seq, d.fields, stream=d.stream, epoch=d.epoch), [],
+                  error=error)
 
     async def finish_with_error(self, d: Delivery, code: str, message: str) -> None:
         run = self.state.running.get(d.request_id or "")
@@ -89,11 +91,11 @@ class Answers:
 
         await retry("dead letter", log, write)
 
-    async def ack(self, entry_id: str) -> None:
+    async def ack(self, stream: str, entry_id: str) -> None:
         async def ack() -> None:  # a fresh pipeline per attempt: a failed execute empties it
             async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.xack(self.names.requests, self.names.group, entry_id)
-                pipe.xdel(self.names.requests, entry_id)
+                pipe.xack(stream, self.names.group, entry_id)
+                pipe.xdel(stream, entry_id)
                 for reply in await pipe.execute(raise_on_error=False):
                     if isinstance(reply, TRANSIENT):
                         raise reply
@@ -101,7 +103,7 @@ class Answers:
                         log.warning("ack of entry %s refused: %s", entry_id, reply)
 
         await retry("ack", log, ack)
-        self.state.release_entry(entry_id)
+        self.state.release_entry(stream, entry_id)
 
 
 def _encoding_of(fields: Any) -> str:

@@ -143,6 +143,6 @@ async def serve(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    check_redis(args.redis)
+    args.cluster = check_redis(args.redis)
     anyio.run(serve, args, backend="asyncio")
     return 0

@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 
 import anyio
 from redis.asyncio import Redis
+from redis.crc import key_slot
+from redis.exceptions import NoScriptError
 
+from clients import scripts
 from clients.backoff import TRANSIENT, Backoff
 from clients.protocol import Names, encode, event_stream_id
 
@@ -24,9 +27,10 @@ log = logging.getLogger("streamer.worker")
 # ever sees a seq twice. Each request's events carry the ownership epoch its worker claimed the job
 # with; if a later claim (a takeover) raised the request's fence, they are refused whole and the
 # request is reported, so a worker presumed dead can never write into the new owner's answer.
-# One call carries a whole flush: KEYS = per request: event stream, fence; ARGV = ttl, then per
-# request: count, channel, field, epoch, count x (entry id, payload). Returns the refused requests
-# (their positions in KEYS / 2, from 1). A fence Redis does not hold (it lost its data) refuses nothing.
+# One call carries a whole flush (on a cluster: everything of one slot): KEYS = per request: event
+# stream, fence; ARGV = ttl, then per request: count, channel, field, epoch, count x (entry id,
+# payload). Returns the refused requests (their positions in KEYS / 2, from 1). A fence Redis does
+# not hold (it lost its data) refuses nothing. On a cluster the channel is a shard channel (SPUBLISH).
 _APPEND_AND_PUBLISH = """
 local pos, refused = 2, {}
 for k = 1, #KEYS, 2 do
@@ -52,7 +56,10 @@ return refused
 """
 
 # Finished jobs leave the requests stream (XACK + XDEL) unless a later claim fenced them off (the new
-# owner acks); their id claim and fence live as long as their events.
+# owner acks); their id claim and fence live as long as their events. On a cluster the stream and the
+# request's keys are in different slots: the acks follow in a second round trip instead, for the
+# jobs whose final events were taken (acking those is right whoever holds the entry by then: the
+# job is answered).
 # KEYS = requests stream, then per job: fence, id claim; ARGV = group, ttl, then per job: entry, epoch.
 # Returns the refused jobs (their positions, from 1).
 _ACK_IF_OWNER = """
@@ -80,6 +87,7 @@ class Write:
     encoding: str
     events: list[dict] = field(default_factory=list)
     ack_entry: str | None = None
+    ack_stream: str = ""  # the request stream holding `ack_entry` (default: Names.requests)
     on_written: Callable[[], None] | None = None  # called once Redis holds the events (and the ack)
     epoch: int = 0  # the ownership epoch the job was claimed with (Names.fence)
 
@@ -91,7 +99,9 @@ class EventWriter:
     def __init__(self, redis: Redis, names: Names, events_ttl_ms: int,
                  on_fenced: Callable[[str, int], None] = lambda request_id, epoch: None) -> None:
         self.redis, self.names, self.ttl_ms, self.on_fenced = redis, names, events_ttl_ms, on_fenced
-        self._append = redis.register_script(_APPEND_AND_PUBLISH)
+        self.cluster = names.cluster
+        self._append = redis.register_script(
+            _APPEND_AND_PUBLISH.replace("'PUBLISH'", "'SPUBLISH'") if self.cluster else _APPEND_AND_PUBLISH)
         self._ack = redis.register_script(_ACK_IF_OWNER)
         self._pending: list[Write] = []
         self._wake = anyio.Event()
@@ -127,6 +137,11 @@ class EventWriter:
             batch, self._pending = self._pending, []
             try:
                 fenced = await self._send(batch)
+            except NoScriptError as e:
+                self._pending[:0] = batch
+                await scripts.load(self.redis, self._append, self._ack)
+                await backoff.sleep(e)
+                continue
             except TRANSIENT as e:
                 self._pending[:0] = batch  # nothing is lost: the retry is idempotent
                 await backoff.sleep(e)
@@ -144,28 +159,63 @@ class EventWriter:
                 self.on_fenced(request_id, epoch)
 
     async def _send(self, batch: list[Write]) -> set[tuple[str, int]]:
-        """One round trip: the events, then the acks of finished jobs, both fenced; returns the
-        (request, epoch)s Redis refused."""
-        with_events = [w for w in batch if w.events]
+        """The events, then the acks of finished jobs, both fenced; returns the (request, epoch)s
+        Redis refused. One round trip on a single Redis; on a cluster one script per slot, all in
+        one pipeline, then the acks."""
+        groups = self._by_slot([w for w in batch if w.events])
         acks = [w for w in batch if w.ack_entry is not None]
         async with self.redis.pipeline(transaction=False) as pipe:
-            if with_events:
-                await self._append(*self._append_args(with_events), client=pipe)
-            if acks:
-                await self._ack(*self._ack_args(acks), client=pipe)
+            for writes in groups:
+                await scripts.queue(pipe, self._append, *self._append_args(writes))
+            ack_groups = self._by_stream(acks) if not self.cluster else []
+            for writes in ack_groups:
+                await scripts.queue(pipe, self._ack, *self._ack_args(writes))
             replies = await pipe.execute(raise_on_error=False)
         self.round_trips += 1
+        self._check(replies)
+        parts = [*groups, *ack_groups]
+        fenced = {(writes[k - 1].request_id, writes[k - 1].epoch) for writes, reply in zip(parts, replies)
+                  if not isinstance(reply, Exception) for k in reply}
+        if acks and self.cluster:
+            await self._ack_apart([w for w in acks if (w.request_id, w.epoch) not in fenced])
+        return fenced
+
+    def _by_slot(self, writes: list[Write]) -> list[list[Write]]:
+        if not self.cluster or not writes:
+            return [writes] if writes else []
+        slots: dict[int, list[Write]] = {}
+        for w in writes:
+            slots.setdefault(key_slot(self.names.events(w.request_id).encode()), []).append(w)
+        return list(slots.values())
+
+    def _by_stream(self, acks: list[Write]) -> list[list[Write]]:
+        streams: dict[str, list[Write]] = {}
+        for w in acks:
+            streams.setdefault(w.ack_stream or self.names.requests, []).append(w)
+        return list(streams.values())
+
+    async def _ack_apart(self, acks: list[Write]) -> None:
+        names = self.names
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for w in acks:
+                pipe.xack(w.ack_stream or names.requests, names.group, w.ack_entry or "")
+                pipe.xdel(w.ack_stream or names.requests, w.ack_entry or "")
+                pipe.pexpire(names.job(w.request_id), self.ttl_ms)
+                pipe.pexpire(names.fence(w.request_id), self.ttl_ms)
+            replies = await pipe.execute(raise_on_error=False)
+        self.round_trips += 1
+        self._check(replies)
+
+    def _check(self, replies: list) -> None:
         for reply in replies:
             # A command Redis refused (not a dropped connection, which raises) will not succeed on a
             # retry either, e.g. NOGROUP after Redis lost its data: log it and go on.
+            if isinstance(reply, NoScriptError):  # a node restarted: load the scripts and retry
+                raise reply
             if isinstance(reply, Exception):
                 if isinstance(reply, TRANSIENT):
                     raise reply
                 log.warning("event writer: Redis refused a write: %s", reply)
-        refused = [(with_events, replies[0])] if with_events else []
-        refused += [(acks, replies[-1])] if acks else []
-        return {(writes[k - 1].request_id, writes[k - 1].epoch) for writes, reply in refused
-                if not isinstance(reply, Exception) for k in reply}
 
     def _append_args(self, writes: list[Write]) -> tuple[list[str], list[str | bytes | int]]:
         names = self.names
@@ -180,7 +230,7 @@ class EventWriter:
 
     def _ack_args(self, acks: list[Write]) -> tuple[list[str], list[str | bytes | int]]:
         names = self.names
-        keys = [names.requests]
+        keys = [acks[0].ack_stream or names.requests]  # acks of one stream
         args: list[str | bytes | int] = [names.group, self.ttl_ms]
         for w in acks:
             keys += [names.fence(w.request_id), names.job(w.request_id)]

@@ -116,19 +116,31 @@ class Heartbeat:
         stats = [str(x) for item in self.stats().items() for x in item]
         # Cancel markers catch cancels published while pub/sub was down.
         markers = [self.names.cancelled(request_id) for request_id in running]
-        replies = await self._beat(keys=[key, self.names.heartbeats, *markers],
+        apart = self.names.cluster  # on a cluster each marker is in its request's slot
+        replies = await self._beat(keys=[key, self.names.heartbeats, *([] if apart else markers)],
                                    args=[self.cfg.consumer, ttl_ms, STALE_MS, *stats])
+        if apart and markers:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for marker in markers:
+                    pipe.exists(marker)
+                replies = await pipe.execute()
         for request_id, marked in zip(running, replies, strict=True):
             if marked:
                 self.cancels.cancel(request_id)
         if not entries:
             return
         # Reset the idle time of our entries so no other worker reclaims them.
-        lost = await self._refresh_own(keys=[self.names.requests],
-                                       args=[self.names.group, self.cfg.consumer, *entries])
-        for entry_id in map(as_str, lost):
-            request_id = self.state.release_entry(entry_id)
-            run = self.state.running.get(request_id or "")
-            if run is not None and run.entry_id == entry_id:
-                log.warning("request %s: taken over by another worker, stopping here", request_id)
-                run.scope.cancel()
+        by_stream: dict[str, list[str]] = {}
+        for stream, entry_id in entries:
+            by_stream.setdefault(stream, []).append(entry_id)
+        for stream, ids in by_stream.items():
+            lost = await self._refresh_own(keys=[stream], args=[self.names.group, self.cfg.consumer, *ids])
+            for entry_id in map(as_str, lost):
+                self._lost(stream, entry_id)
+
+    def _lost(self, stream: str, entry_id: str) -> None:
+        request_id = self.state.release_entry(stream, entry_id)
+        run = self.state.running.get(request_id or "")
+        if run is not None and run.entry_id == entry_id:
+            log.warning("request %s: taken over by another worker, stopping here", request_id)
+            run.scope.cancel()

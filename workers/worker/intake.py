@@ -11,8 +11,9 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 
+from clients import scripts
 from clients.backoff import TRANSIENT, Backoff, retry
 from clients.errors import ProtocolError
 from clients.protocol import decode_job
@@ -57,24 +58,39 @@ class Intake:
 
     async def ensure_group(self) -> None:
         backoff = Backoff("create group", log)
-        while True:
-            try:
-                # From id 0: jobs pushed before the first worker ever started are served too.
-                await self.redis.xgroup_create(self.names.requests, self.names.group, id="0", mkstream=True)
-                return
-            except ResponseError as e:
-                if "BUSYGROUP" in str(e):
-                    return
-                raise
-            except TRANSIENT as e:
-                await backoff.sleep(e)
+        for stream in self.names.request_streams:
+            while True:
+                try:
+                    # From id 0: jobs pushed before the first worker ever started are served too.
+                    await self.redis.xgroup_create(stream, self.names.group, id="0", mkstream=True)
+                    break
+                except ResponseError as e:
+                    if "BUSYGROUP" in str(e):
+                        break
+                    raise
+                except TRANSIENT as e:
+                    await backoff.sleep(e)
 
     async def read_loop(self, jobs: TaskGroup) -> None:
+        """One XREADGROUP over every request stream; on a cluster, whose streams sit in different
+        slots, one reader per stream, each reading its share of the capacity (together they may
+        overshoot by a job each: the engine queues those)."""
+        streams = self.names.request_streams
+        if len(streams) == 1 or not self.names.cluster:
+            await self._read_streams(streams, 1, jobs)
+            return
+        async with anyio.create_task_group() as readers:
+            for stream in streams:
+                readers.start_soon(self._read_streams, [stream], len(streams), jobs)
+
+    async def _read_streams(self, streams: list[str], readers: int, jobs: TaskGroup) -> None:
         backoff = Backoff("read", log)
         while True:
             count = await self.state.wait_capacity()
+            if readers > 1:
+                count = max(1, count // readers)
             try:
-                entries = await self._read(count, self.cfg.block_ms)
+                entries = await self._read(streams, count, self.cfg.block_ms)
                 backoff.reset()
             except ResponseError as e:
                 await self.refused("read", e, backoff)
@@ -87,13 +103,15 @@ class Intake:
                 # together (one prefill batch) instead of one step apart.
                 await anyio.sleep(self.cfg.read_linger_ms / 1000)
                 with contextlib.suppress(*TRANSIENT):
-                    entries += await self._read(count - len(entries), None)
-            await self.start_batch([(entry_id, fields, 1) for entry_id, fields in entries], jobs)
+                    entries += await self._read(streams, count - len(entries), None)
+            await self.start_batch([(stream, entry_id, fields, 1) for stream, entry_id, fields in entries], jobs)
 
-    async def _read(self, count: int, block_ms: int | None) -> list[tuple[Any, Any]]:
-        reply = await self.redis.xreadgroup(self.names.group, self.cfg.consumer, {self.names.requests: ">"},
+    async def _read(self, streams: list[str], count: int, block_ms: int | None) -> list[tuple[str, Any, Any]]:
+        """(stream, entry id, fields) of up to `count` new entries of `streams` (in total, about)."""
+        reply = await self.redis.xreadgroup(self.names.group, self.cfg.consumer, dict.fromkeys(streams, ">"),
                                             count=count, block=block_ms)
-        return [entry for _stream, entries in reply or [] for entry in entries]
+        return [(as_str(stream), entry_id, fields) for stream, entries in reply or []
+                for entry_id, fields in entries]
 
     async def refused(self, what: str, error: ResponseError, backoff: Backoff) -> None:
         """Redis answered with an error: a lost group is recreated; anything else (out of memory, a
@@ -105,22 +123,23 @@ class Intake:
             log.error("%s: Redis refused: %s", what, error)
             await backoff.sleep(error)
 
-    async def start_batch(self, entries: list[tuple[Any, Any, int]], jobs: TaskGroup) -> None:
-        """Decode a batch of (entry id, fields, deliveries), claim their ids in entry order (the first
-        of two jobs with the same id wins), read their resume state in one round trip, then start
+    async def start_batch(self, entries: list[tuple[str, Any, Any, int]], jobs: TaskGroup) -> None:
+        """Decode a batch of (stream, entry id, fields, deliveries), claim their ids in entry order (the
+        first of two jobs with the same id wins), read their resume state in one round trip, then start
         one task per job in `jobs`."""
-        batch = [self._decode(as_str(entry_id), fields, deliveries) for entry_id, fields, deliveries in entries]
+        batch = [self._decode(stream, as_str(entry_id), fields, deliveries)
+                 for stream, entry_id, fields, deliveries in entries]
         with_ids = [d for d in batch if d.request_id is not None]
         if with_ids:
             replies = await retry("load jobs", log, lambda: self._load_pipeline(with_ids))
             for i, d in enumerate(with_ids):
                 self._load(d, replies[3 * i: 3 * i + 3])
         for d in batch:
-            self.state.job_read(d.entry_id, d.request_id or "")
+            self.state.job_read(d.stream, d.entry_id, d.request_id or "")
             jobs.start_soon(self.runner.run, d, name=f"job {d.entry_id}")
 
-    def _decode(self, entry_id: str, fields: Any, deliveries: int) -> Delivery:
-        d = Delivery(entry_id, fields, deliveries)
+    def _decode(self, stream: str, entry_id: str, fields: Any, deliveries: int) -> Delivery:
+        d = Delivery(entry_id, fields, deliveries, stream=stream)
         try:
             d.job = decode_job(fields or {}, self.cfg.limits)
         except ProtocolError as e:
@@ -147,8 +166,12 @@ class Intake:
         async with self.redis.pipeline(transaction=False) as pipe:
             for d in batch:
                 request_id = d.request_id or ""
-                await self._claim(keys=[self.names.job(request_id), self.names.fence(request_id)],
-                                  args=[d.entry_id, ttl], client=pipe)
+                await scripts.queue(pipe, self._claim, [self.names.job(request_id), self.names.fence(request_id)],
+                                    [d.entry_id, ttl])
                 pipe.xrange(self.names.events(request_id))
                 pipe.exists(self.names.cancelled(request_id))
-            return await pipe.execute(raise_on_error=False)
+            replies = await pipe.execute(raise_on_error=False)
+        if any(isinstance(reply, NoScriptError) for reply in replies):  # a fresh or restarted cluster node
+            await scripts.load(self.redis, self._claim)
+            return await self._load_pipeline(batch)
+        return replies

@@ -68,12 +68,12 @@ class JobRunner:
         if not d.ours:
             await self.answers.dead_letter(entry_id, d.fields, ProtocolError(
                 "duplicate_id", f"id {job.id!r} is already used by another request", job.id))
-            await self.answers.ack(entry_id)
+            await self.answers.ack(d.stream, entry_id)
             return
         if state.finished:  # answered before, only the ack was lost
-            await self.answers.ack(entry_id)
+            await self.answers.ack(d.stream, entry_id)
             return
-        run = RunningJob(job, entry_id, state.next_seq, d.fields, epoch=d.epoch)
+        run = RunningJob(job, entry_id, state.next_seq, d.fields, stream=d.stream, epoch=d.epoch)
         deliveries = d.deliveries
         if deliveries > self.cfg.max_deliveries:
             await self.answers.fail(run, "too_many_deliveries",

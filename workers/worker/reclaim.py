@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from clients.backoff import TRANSIENT, Backoff
-from workers.heartbeats import STALE_MS
+from workers.heartbeats import as_names, live_args, live_script
 from workers.worker.config import WorkerConfig
 from workers.worker.intake import Intake
 from workers.worker.state import WorkerState, as_str
@@ -24,25 +24,26 @@ from workers.worker.state import WorkerState, as_str
 log = logging.getLogger("streamer.worker")
 
 # Delete the group's consumers that hold no pending entry, have been idle (no read, no claim) longer
-# than ARGV[2] ms and are not in the heartbeat set: crashed workers. Atomic, so a consumer cannot be
-# handed an entry between the check and the delete (deleting a consumer drops its pending entries).
-# KEYS[1] = requests stream, KEYS[2] = heartbeat set; ARGV[1] = group, ARGV[2] = idle bound (ms),
-# ARGV[3] = STALE_MS. Returns the names deleted.
+# than ARGV[2] ms and are not among the live workers (ARGV[3..], read from the heartbeat set just
+# before: on a cluster the set and a request stream may sit in different slots): crashed workers.
+# Atomic on the stream, so a consumer cannot be handed an entry between the check and the delete
+# (deleting a consumer drops its pending entries); a worker that started beating since the live list
+# was read has not been idle that long. KEYS[1] = a request stream; ARGV[1] = group, ARGV[2] = idle
+# bound (ms). Returns the names deleted.
 _DROP_IDLE_CONSUMERS = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local live = {}
+for i = 3, #ARGV do
+  live[ARGV[i]] = true
+end
 local removed = {}
 for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
   local info = {}
   for i = 1, #c, 2 do
     info[c[i]] = c[i + 1]
   end
-  if info['pending'] == 0 and info['idle'] > tonumber(ARGV[2]) then
-    local beat = redis.call('ZSCORE', KEYS[2], info['name'])
-    if not beat or tonumber(beat) < now - tonumber(ARGV[3]) then
-      redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], info['name'])
-      removed[#removed + 1] = info['name']
-    end
+  if info['pending'] == 0 and info['idle'] > tonumber(ARGV[2]) and not live[info['name']] then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], info['name'])
+    removed[#removed + 1] = info['name']
   end
 end
 return removed
@@ -56,6 +57,7 @@ class Reclaimer:
         self.redis, self.cfg, self.names = redis, config, config.names
         self.state, self.intake = state, intake
         self._drop_idle = redis.register_script(_DROP_IDLE_CONSUMERS)
+        self._live = live_script(redis)
         self._next_cleanup = 0.0  # monotonic time of the next look for idle consumers
 
     async def claim_loop(self, jobs: TaskGroup) -> None:
@@ -64,16 +66,9 @@ class Reclaimer:
         idle_ms = int(self.cfg.claim_idle_s * 1000)
         while True:
             await anyio.sleep(self.cfg.claim_idle_s / 2)
-            cursor = "0-0"
             try:
-                while (count := self.state.capacity()) > 0:
-                    cursor, entries, *_ = await self.redis.xautoclaim(
-                        self.names.requests, self.names.group, self.cfg.consumer, idle_ms,
-                        start_id=cursor, count=count)
-                    if entries:
-                        await self._start_reclaimed(entries, jobs)
-                    if cursor in (b"0-0", "0-0"):
-                        break
+                for stream in self.names.request_streams:
+                    await self._claim_stream(stream, idle_ms, jobs)
                 if time.monotonic() >= self._next_cleanup:
                     self._next_cleanup = time.monotonic() + self.cfg.consumer_idle_s / 4
                     await self.drop_idle_consumers()
@@ -83,25 +78,38 @@ class Reclaimer:
             except TRANSIENT as e:
                 await backoff.sleep(e)
 
+    async def _claim_stream(self, stream: str, idle_ms: int, jobs: TaskGroup) -> None:
+        cursor = "0-0"
+        while (count := self.state.capacity()) > 0:
+            cursor, entries, *_ = await self.redis.xautoclaim(stream, self.names.group, self.cfg.consumer, idle_ms,
+                                                              start_id=cursor, count=count)
+            if entries:
+                await self._start_reclaimed(stream, entries, jobs)
+            if cursor in (b"0-0", "0-0"):
+                return
+
     async def drop_idle_consumers(self) -> list[str]:
         """Delete consumers that hold nothing and have been idle over `consumer_idle_s` (not this one,
         which is live: it beats and reads); returns their names."""
-        removed = await self._drop_idle(keys=[self.names.requests, self.names.heartbeats],
-                                        args=[self.names.group, int(self.cfg.consumer_idle_s * 1000), STALE_MS])
-        names = [as_str(name) for name in removed]
+        live = as_names(await self._live(**live_args(self.names)))
+        removed = []
+        for stream in self.names.request_streams:
+            removed += await self._drop_idle(keys=[stream],
+                                             args=[self.names.group, int(self.cfg.consumer_idle_s * 1000), *live])
+        names = sorted({as_str(name) for name in removed})
         if names:
             log.info("removed %d idle consumer(s) holding no job from group %s: %s", len(names),
                      self.names.group, ", ".join(names[:10]) + (" ..." if len(names) > 10 else ""))
         return names
 
-    async def _start_reclaimed(self, entries: list[tuple[Any, Any]], jobs: TaskGroup) -> None:
+    async def _start_reclaimed(self, stream: str, entries: list[tuple[Any, Any]], jobs: TaskGroup) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
             for entry_id, _ in entries:
-                pipe.xpending_range(self.names.requests, self.names.group, entry_id, entry_id, 1)
+                pipe.xpending_range(stream, self.names.group, entry_id, entry_id, 1)
             pending = await pipe.execute()
         batch = []
         for (entry_id, fields), info in zip(entries, pending, strict=True):
             deliveries = info[0]["times_delivered"] if info else 1
             log.info("reclaimed job entry %s (delivery %d)", as_str(entry_id), deliveries)
-            batch.append((entry_id, fields, deliveries))
+            batch.append((stream, entry_id, fields, deliveries))
         await self.intake.start_batch(batch, jobs)

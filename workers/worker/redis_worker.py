@@ -43,7 +43,7 @@ class Worker:
     def __init__(self, engine: Engine, config: WorkerConfig) -> None:
         self.engine, self.cfg, self.names = engine, config, config.names
         self.redis = async_client(config.redis_url, config.redis_max_connections, config.redis_pool_timeout_s,
-                                  socket_connect_timeout=2)
+                                  cluster=config.names.cluster, socket_connect_timeout=2)
         self.state = WorkerState(engine.admission_capacity)
         self.writer = EventWriter(self.redis, self.names, int(config.events_ttl_s * 1000),
                                   on_fenced=self.state.fenced)
@@ -120,9 +120,10 @@ class Worker:
             await self.redis.delete(self.names.worker(self.cfg.consumer))
             # Deleting a consumer drops its pending entries: only leave when Redis says it holds none
             # (an entry delivered just as reading stopped is reclaimed by another worker instead).
-            held = await self.redis.xpending_range(self.names.requests, self.names.group, "-", "+", 1,
-                                                   consumername=self.cfg.consumer)
-            if not held:
-                await self.redis.xgroup_delconsumer(self.names.requests, self.names.group, self.cfg.consumer)
+            for stream in self.names.request_streams:
+                held = await self.redis.xpending_range(stream, self.names.group, "-", "+", 1,
+                                                       consumername=self.cfg.consumer)
+                if not held:
+                    await self.redis.xgroup_delconsumer(stream, self.names.group, self.cfg.consumer)
         except TRANSIENT as e:
             log.warning("worker %s: could not deregister (%s)", self.cfg.consumer, e)

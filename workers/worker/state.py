@@ -33,6 +33,7 @@ class Delivery:
     entry_id: str
     fields: Any
     deliveries: int
+    stream: str = ""  # the request stream it was read from (one of Names.request_streams)
     job: Job | None = None
     error: ProtocolError | None = None  # could not be decoded or validated
     ours: bool = False  # the request id belongs to this entry (not a duplicate)
@@ -57,6 +58,7 @@ class RunningJob:
     entry_id: str
     next_seq: int
     fields: Any = None  # the raw entry, kept for dead letters
+    stream: str = ""  # the request stream holding the entry
     epoch: int = 0  # ownership epoch: Redis refuses our writes once another worker claims the job
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
 
@@ -67,7 +69,8 @@ class WorkerState:
     def __init__(self, admission_capacity: Callable[[], int]) -> None:
         self._admission_capacity = admission_capacity
         self.running: dict[str, RunningJob] = {}  # request id -> job
-        self.pending_entries: dict[str, str] = {}  # request-stream entry id -> request id, until acked
+        # (request stream, entry id) -> request id, until acked: entry ids are unique per stream only
+        self.pending_entries: dict[tuple[str, str], str] = {}
         self.starting = 0  # jobs read but not yet admitted by the engine (capacity already spent)
         self._cancelled: OrderedDict[str, float] = OrderedDict()  # cancels seen for jobs not running here
         self._capacity_freed = anyio.Event()
@@ -110,11 +113,11 @@ class WorkerState:
         """Jobs in flight or being admitted."""
         return len(self.running) + self.starting
 
-    def job_read(self, entry_id: str, request_id: str) -> None:
+    def job_read(self, stream: str, entry_id: str, request_id: str) -> None:
         """An entry is taken: its capacity is spent until `admitted`, its entry held until acked."""
         self.starting += 1
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
-        self.pending_entries[entry_id] = request_id
+        self.pending_entries[stream, entry_id] = request_id
 
     def admitted(self) -> None:
         """Called once per `job_read`, when the engine took the job or it was answered otherwise."""
@@ -140,12 +143,12 @@ class WorkerState:
             return
         log.warning("request %s: taken over by another worker (epoch %d is stale), stopping here",
                     request_id, epoch)
-        self.release_entry(run.entry_id)
+        self.release_entry(run.stream, run.entry_id)
         run.scope.cancel()
 
-    def release_entry(self, entry_id: str) -> str | None:
-        """The entry left the requests stream (or another worker took it): stop refreshing it."""
-        return self.pending_entries.pop(entry_id, None)
+    def release_entry(self, stream: str, entry_id: str) -> str | None:
+        """The entry left its request stream (or another worker took it): stop refreshing it."""
+        return self.pending_entries.pop((stream, entry_id), None)
 
     # --- entering the engine ------------------------------------------------------------------------
 
