@@ -138,3 +138,26 @@ async def test_a_worker_killed_on_the_cluster_is_resumed_by_another(cluster, clu
     for request_id, tokens in zip(ids, expected, strict=True):
         events = events_of(cluster_url, request_id)
         assert check_complete(events)["type"] == "done" and tokens_of(events) == tokens
+
+
+@pytest.mark.anyio
+async def test_dead_letters_on_the_cluster_are_listed_and_requeued(llama_ckpt, cluster_url):
+    """`streamer dead` finds the cluster by itself; a requeued job goes to its stream and is served."""
+    import json
+
+    from test_dead_letters import cli
+
+    probe = RedisCluster.from_url(cluster_url)
+    payload = json.dumps({"v": 1, "id": "again", "prompt": "served after all", "params": GREEDY})
+    dead_id = probe.xadd(NAMES.dead, {"reason": "too_many_deliveries", "message": "m", "entry": "1-1",
+                                      "worker": "w", "time_ms": 1, "id": "again", "payload_json": payload})
+    listed = await cli("dead", "list", url=cluster_url)
+    assert listed.returncode == 0 and "too_many_deliveries" in listed.stdout, listed.stderr
+    requeued = await cli("dead", "requeue", dead_id.decode(), url=cluster_url)
+    assert requeued.returncode == 0, requeued.stderr
+    assert probe.xlen(NAMES.dead) == 0 and probe.xlen(NAMES.requests) == 1
+    async with running_worker(llama_ckpt, cluster_url, names=NAMES):
+        await wait_for(lambda: [e["type"] for e in events_of(cluster_url, "again")][-1:] == ["done"], timeout=60)
+    assert tokens_of(events_of(cluster_url, "again")) == offline_tokens(llama_ckpt, ["served after all"],
+                                                                        SamplingParams(**GREEDY))[0]
+    probe.close()

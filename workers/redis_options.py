@@ -10,6 +10,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
 import redis.asyncio as aioredis
+import redis.cluster
 
 from clients.protocol import Names
 from workers.errors import RedisUnavailable, redact_url, redis_hint
@@ -77,8 +78,10 @@ def async_client(url: str, max_connections: int = DEFAULT_MAX_CONNECTIONS,
     return aioredis.Redis.from_pool(pool)  # closing the client closes its pool
 
 
-def sync_client(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=5)
+def sync_client(url: str, cluster: bool = False) -> Any:
+    """A blocking client of a single Redis, or of a Redis Cluster."""
+    kind = redis.cluster.RedisCluster if cluster else redis.Redis
+    return kind.from_url(url, socket_connect_timeout=3, socket_timeout=5)
 
 
 def check_redis(url: str) -> bool:

@@ -45,14 +45,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    names = names_from_args(args)
     if args.action in ("show", "requeue", "purge") and not args.target:
         what = "all or an age such as 7d" if args.action == "purge" else "a dead letter's id (see `streamer dead list`)"
         raise UserError(f"`streamer dead {args.action}` needs {what}")
     if args.action == "list" and args.target:
         raise UserError("`streamer dead list` takes no id: use `streamer dead show ID` for one dead letter")
-    check_redis(args.redis)
-    client = sync_client(args.redis)
+    args.cluster = check_redis(args.redis)
+    names = names_from_args(args)
+    client = sync_client(args.redis, cluster=args.cluster)
     try:
         action = {"list": _list, "show": _show, "requeue": _requeue, "purge": _purge}[args.action]
         action(client, names, args)
@@ -167,12 +167,18 @@ def _requeue(client: redis.Redis, names: Names, args: argparse.Namespace) -> Non
         raise UserError(f"request id {job.id!r} is still in use ({', '.join(in_use)}; they expire in "
                         f"{ttl_s:.0f}s): a copy pushed now would be refused as duplicate_id; requeue it "
                         "once they are gone")
-    submit = client.register_script(SUBMIT_SCRIPT)
-    with client.pipeline(transaction=True) as pipe:  # pushed and removed from the dead letters together
-        submit(keys=[names.requests, names.job(job.id)], args=[encoding, raw, KEY_TTL_MS], client=pipe)
-        pipe.xdel(names.dead, dead_id)
-        entry, _ = pipe.execute()
-    print(f"requeued dead letter {dead_id} (request {job.id}) as entry {_text(entry)} of {names.requests}")
+    stream = names.stream_for(job.id)
+    if names.cluster:  # the stream, the id's key and the dead letters sit in different slots
+        entry = client.xadd(stream, {encoding: raw})
+        client.set(names.job(job.id), entry, nx=True, px=KEY_TTL_MS)
+        client.xdel(names.dead, dead_id)
+    else:
+        submit = client.register_script(SUBMIT_SCRIPT)
+        with client.pipeline(transaction=True) as pipe:  # pushed and removed from the dead letters together
+            submit(keys=[stream, names.job(job.id)], args=[encoding, raw, KEY_TTL_MS], client=pipe)
+            pipe.xdel(names.dead, dead_id)
+            entry, _ = pipe.execute()
+    print(f"requeued dead letter {dead_id} (request {job.id}) as entry {_text(entry)} of {stream}")
 
 
 def parse_age(text: str) -> float:
