@@ -13,6 +13,7 @@ import json
 import logging
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +26,7 @@ from workers.gateway.config import GatewayConfig, is_loopback
 from workers.gateway.server import running_gateway
 from workers.redis_server import RedisServer
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 async def reply_to(ws: ClientConnection, frame: str | dict[str, Any]) -> dict[str, Any]:

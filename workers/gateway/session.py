@@ -203,15 +203,21 @@ class Session:
 
     async def _generate(self, obj: dict[str, Any]) -> None:
         fields = {k: v for k, v in obj.items() if k != "type"}
-        if fields.get("id") is None:
+        picked = fields.get("id") is None
+        if picked:
             fields["id"] = uuid.uuid4().hex
         job = {"v": VERSION, **fields}
-        # The worker's own checks (schema, nesting, Unicode), so that nothing it could only dead-letter
-        # without an answer is ever pushed.
-        parsed = parse_job(job, "json", self.limits)
-        rid = parsed.id
-        self._check_prompt(parsed.prompt_token_ids, rid)
-        self._check_encoded(job, rid)
+        try:
+            # The worker's own checks (schema, nesting, Unicode), so that nothing it could only
+            # dead-letter without an answer is ever pushed.
+            parsed = parse_job(job, "json", self.limits)
+            rid = parsed.id
+            self._check_prompt(parsed.prompt_token_ids, rid)
+            self._check_encoded(job, rid)
+        except ProtocolError as e:
+            if picked:  # an id the client never saw names nothing for it
+                e.request_id = None
+            raise
         self._check_room(rid)
         if not await self.hub.claim(rid):
             raise ProtocolError("duplicate_id", f"id {rid!r} is already used by another request", rid)
@@ -236,6 +242,8 @@ class Session:
         """The job as the worker will read it: standard JSON, within the payload limit."""
         try:
             size = len(json.dumps(job, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode())
+        except UnicodeEncodeError as e:  # parse_job refuses lone surrogates first; kept as a last guard
+            raise ProtocolError("invalid_request", "every string must be valid Unicode", rid) from e
         except ValueError as e:  # a float out of JSON's range (1e999 decodes as infinity)
             raise ProtocolError("invalid_params", f"numbers must be finite: {e}", rid) from e
         if size > self.limits.max_payload_bytes:
