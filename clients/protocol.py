@@ -330,8 +330,8 @@ def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
             raise bad("`priority` must be an integer from -2**31 to 2**31")
         job.priority = obj["priority"]
     if "deadline" in obj and obj["deadline"] is not None:
-        if not _is_int(obj["deadline"]) or obj["deadline"] < 0:
-            raise bad("`deadline` must be a unix time in milliseconds")
+        if not _is_int(obj["deadline"]) or not 0 <= obj["deadline"] < 2**63:
+            raise bad("`deadline` must be a unix time in milliseconds (0 to 2**63-1)")
         job.deadline = obj["deadline"]
     return job
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 # A lone surrogate: what `"\ud800"` in JSON becomes, or bytes that are not UTF-8 read with surrogateescape.
 SURROGATES = st.sampled_from(["\ud800", "\udfff", "a\udc80b", "\ud83d"])
 TEXT = st.one_of(st.text(max_size=20), SURROGATES, st.just(""))
-BIG_INTS = st.sampled_from([2**31, 2**63, 2**64, -(2**64), 10**30])
+BIG_INTS = st.sampled_from([2**31, 2**63, 2**64, -(2**64), 10**30, 10**400])
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), BIG_INTS, st.floats(allow_nan=True), TEXT)
 
 

@@ -58,6 +58,7 @@ def test_redis_cli_text_is_accepted():
     ({"v": 1, "id": "x", "prompt": "hi", "params": [1]}, "invalid_params", True),
     ({"v": 1, "id": "x", "prompt": "hi", "priority": "high"}, "invalid_request", True),
     ({"v": 1, "id": "x", "prompt": "hi", "deadline": -1}, "invalid_request", True),
+    ({"v": 1, "id": "x", "prompt": "hi", "deadline": 10**400}, "invalid_request", True),  # no float holds it
     ({"v": 1, "id": "bad id with spaces", "prompt": "hi"}, "invalid_request", False),
     ({"v": 1, "id": 7, "prompt": "hi"}, "invalid_request", False),
     ([1, 2, 3], "invalid_request", False),
@@ -238,7 +239,7 @@ ALLOWED = "['deadline', 'id', 'messages', 'params', 'priority', 'prompt', 'promp
     ({"v": 1, "id": "x", "prompt": "hi", "priority": 2**31 + 1}, "invalid_request",
      "`priority` must be an integer from -2**31 to 2**31"),
     ({"v": 1, "id": "x", "prompt": "hi", "deadline": -1}, "invalid_request",
-     "`deadline` must be a unix time in milliseconds"),
+     "`deadline` must be a unix time in milliseconds (0 to 2**63-1)"),
     ({"v": 1, "id": "x", "messages": [{"role": "u"}]}, "invalid_request",
      'each message must be {"role": string, "content": string}'),
 ])

@@ -161,3 +161,41 @@ async def test_dead_letters_on_the_cluster_are_listed_and_requeued(llama_ckpt, c
     assert tokens_of(events_of(cluster_url, "again")) == offline_tokens(llama_ckpt, ["served after all"],
                                                                         SamplingParams(**GREEDY))[0]
     probe.close()
+
+
+@pytest.mark.anyio
+async def test_gateway_on_the_cluster_relays_over_sharded_pubsub(llama_ckpt, cluster_url):
+    """Through the gateway: jobs pushed to sharded streams, tokens relayed over shard channels
+    (the idle poll is turned far down, so the events can only come by SSUBSCRIBE), a resume and a
+    cancel of requests whose keys sit on different masters."""
+    from test_gateway import collect, config, send
+    from websockets.asyncio.client import connect
+
+    from workers.gateway.server import running_gateway
+
+    names = Names(cluster=True, shards=2)
+    prompts = [f"gateway on the cluster {i}" for i in range(4)]
+    candidates = [f"g{i}" for i in range(40)]
+    ids = [i for i in candidates if names.stream_for(i) == names.request_streams[0]][:2] + \
+          [i for i in candidates if names.stream_for(i) == names.request_streams[1]][:2]
+    gateway = config(cluster_url, cluster=True, request_shards=2, idle_poll_s=120.0)
+    async with running_worker(llama_ckpt, cluster_url, names=names), running_gateway(gateway) as gw:
+        async with connect(gw.ws_url) as ws:
+            for request_id, prompt in zip(ids, prompts, strict=True):
+                await send(ws, {"type": "generate", "id": request_id, "prompt": prompt, "params": GREEDY})
+            got = await collect(ws, set(ids), timeout=60)
+        async with connect(gw.ws_url) as ws:  # a later socket replays a finished request from seq 3
+            await send(ws, {"type": "resume", "id": ids[0], "after_seq": 2})
+            replay = (await collect(ws, {ids[0]}, timeout=30))[ids[0]]
+            long = {"max_tokens": 2000, "temperature": 0.0, "ignore_eos": True}
+            await send(ws, {"type": "generate", "id": "cancel-me", "prompt": "long", "params": long})
+            await wait_for(lambda: len(events_of(cluster_url, "cancel-me")) >= 2, timeout=30)
+            await send(ws, {"type": "cancel", "id": "cancel-me"})
+            cancelled = (await collect(ws, {"cancel-me"}, timeout=30))["cancel-me"]
+        fills = gw.metrics.values["stream_fills_total"]
+    expected = offline_tokens(llama_ckpt, prompts, SamplingParams(**GREEDY))
+    assert [tokens_of(got[request_id]) for request_id in ids] == expected  # over both request streams
+    assert replay == got[ids[0]][3:]
+    assert fills <= 2  # the resume's reads only: the live events came by pub/sub
+    assert cancelled[-1]["type"] == "done" and cancelled[-1]["finish_reason"] == "abort"
+    assert len(tokens_of(cancelled)) < 2000

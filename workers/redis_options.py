@@ -71,6 +71,9 @@ def async_client(url: str, max_connections: int = DEFAULT_MAX_CONNECTIONS,
     if cluster:
         # A cluster client holds one bounded pool per node; one that is full raises MaxConnectionsError
         # (a ConnectionError: retried with backoff like a Redis that is briefly unavailable).
+        parts = urlsplit(url)  # the pool's query options are not a cluster client's
+        query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "timeout"]
+        url = parts._replace(query=urlencode(query)).geturl()
         return aioredis.RedisCluster.from_url(url, max_connections=max_connections, **kwargs)
     # redis-py lets the URL's query override these keyword arguments.
     pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=timeout_s,

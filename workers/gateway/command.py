@@ -11,7 +11,7 @@ from pathlib import Path
 from workers.errors import UserError
 from workers.gateway.config import GatewayConfig
 from workers.gateway.server import running_gateway
-from workers.redis_options import add_pool_arguments
+from workers.redis_options import add_pool_arguments, check_redis
 
 log = logging.getLogger("streamer.gateway")
 
@@ -22,6 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=d.port, help="port for /ws, the chat page, /healthz, /metrics")
     parser.add_argument("--redis", default=d.redis_url, help="Redis URL (redis://[:PASSWORD@]HOST:PORT/DB)")
     parser.add_argument("--prefix", default=d.prefix, help="prefix of every Redis key (as the worker's)")
+    parser.add_argument("--request-shards", type=int, default=d.request_shards,
+                        help="request streams jobs are spread over (as the workers')")
     add_pool_arguments(parser)
     parser.add_argument("--api-key", action="append", default=None, dest="api_key",
                         help="accept this API key (repeat for several); none given: no key needed")
@@ -66,6 +68,7 @@ def _read_keys(path: Path | None) -> list[str]:
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     keys = [*(k for k in (args.api_key or []) if k), *_read_keys(args.api_keys_file)]
     return GatewayConfig(host=args.host, port=args.port, redis_url=args.redis, prefix=args.prefix,
+                         cluster=getattr(args, "cluster", False), request_shards=args.request_shards,
                          redis_max_connections=args.redis_max_connections,
                          redis_pool_timeout_s=args.redis_pool_timeout,
                          api_keys=tuple(keys), insecure_no_auth=args.insecure_no_auth,
@@ -77,6 +80,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.cluster = check_redis(args.redis)
     config = config_from_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # websockets logs every HTTP response (health probes, page loads) at INFO.

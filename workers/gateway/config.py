@@ -20,6 +20,8 @@ class GatewayConfig:
     redis_max_connections: int = DEFAULT_MAX_CONNECTIONS  # bound of the pool; more commands wait
     redis_pool_timeout_s: float = DEFAULT_POOL_TIMEOUT_S  # longest wait for a free connection
     prefix: str = "llm"
+    cluster: bool = False  # Redis is a cluster (`streamer gateway` finds out at start)
+    request_shards: int = 1  # request streams jobs are spread over (as the workers')
     api_keys: tuple[str, ...] = ()  # empty: no key needed
     # Without keys the gateway only listens on a loopback address, unless this says it may serve anyone.
     insecure_no_auth: bool = False

@@ -13,13 +13,15 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
+
+import redis.asyncio as aioredis
 
 from clients.backoff import TRANSIENT, Backoff
 from clients.errors import ProtocolError
 from clients.protocol import Names, decode_message, decode_payload, encode_job, event_stream_id, split_fields
-from clients.redis_client import CANCEL_SCRIPT, SUBMIT_SCRIPT
+from clients.redis_client import CANCEL_SCRIPT, SUBMIT_SCRIPT, push_job
 from workers.gateway.metrics import Metrics
 from workers.gateway.watch import Watch
 from workers.heartbeats import as_names, live_args, live_script
@@ -43,8 +45,12 @@ class Hub:
         self.names, self.metrics, self.ttl_ms, self.idle_poll_s = names, metrics, int(ttl_s * 1000), idle_poll_s
         # The health check PINGs an idle connection (pub/sub included) now and then, so a connection
         # that died silently is noticed and replaced instead of waiting forever.
-        self.redis = async_client(redis_url, socket_connect_timeout=5, socket_timeout=30, health_check_interval=15)
+        self.redis = async_client(redis_url, cluster=names.cluster, socket_connect_timeout=5, socket_timeout=30,
+                                  health_check_interval=15)
         self.pubsub = self.redis.pubsub()
+        # On a cluster the tokens channels are shard channels, served by the master of their slot: one
+        # plain pub/sub connection per master (made when first needed), each read by its own loop.
+        self._shard_pubsubs: dict[str, Any] = {}
         # The Python client's scripts: a job's id exists from its push on, and only such ids can be
         # cancelled (no key for a made-up id).
         self._submit = self.redis.register_script(SUBMIT_SCRIPT)
@@ -64,8 +70,10 @@ class Hub:
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.names.cluster:  # the slot map first: pub/sub picks its nodes by it
+            await self.redis.initialize()
         await self.pubsub.subscribe(self.resumed_channel)
-        self._runner = asyncio.gather(self._read_loop(), self._idle_loop())
+        self._runner = asyncio.gather(self._read_loop(self._next_message), self._idle_loop())
 
     async def close(self) -> None:
         if self._runner is not None:
@@ -75,6 +83,9 @@ class Hub:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.pubsub.aclose()
+        for pubsub in self._shard_pubsubs.values():
+            await pubsub.aclose()
+            await pubsub.connection_pool.aclose()
         await self.redis.aclose()
 
     def spawn(self, coro: Any, what: str) -> None:
@@ -94,7 +105,7 @@ class Hub:
     def _claim_key(self, request_id: str) -> str:
         """Set by the gateway when it pushes a job: duplicate ids are refused before they reach a worker,
         and a resume of a job still waiting in the queue (no events yet) is told apart from a typo."""
-        return f"{self.names.prefix}:gateway:req:{request_id}"
+        return self.names.gateway_claim(request_id)
 
     async def claim(self, request_id: str) -> bool:
         """Reserve an id for a job this gateway is about to push. False if it is already in use."""
@@ -112,8 +123,7 @@ class Hub:
         """Queue a job (already checked with protocol.parse_job, its id claimed), recording its entry as
         the owner of the id (`job:{id}`, as workers do when they read it)."""
         ((field_name, payload),) = encode_job(job, "json").items()
-        await self._submit(keys=[self.names.requests, self.names.job(job["id"])],
-                           args=[field_name, payload, self.ttl_ms])
+        await push_job(self.redis, self.names, self._submit, job["id"], field_name, payload)
         self.metrics.inc("requests_total")
 
     async def known(self, request_id: str) -> bool:
@@ -178,13 +188,36 @@ class Hub:
             if want and not have:
                 self._subscribed[channel] = asyncio.Event()
                 try:
-                    await self.pubsub.subscribe(channel)
+                    if self.names.cluster:
+                        await self._shard_subscribe(channel)
+                    else:
+                        await self.pubsub.subscribe(channel)
                 except BaseException:
                     del self._subscribed[channel]
                     raise
             elif have and not want:
                 del self._subscribed[channel]
-                await self.pubsub.unsubscribe(channel)
+                if self.names.cluster:
+                    await self._shard_pubsub(channel).sunsubscribe(channel)
+                else:
+                    await self.pubsub.unsubscribe(channel)
+
+    def _shard_pubsub(self, channel: str) -> Any:
+        """The pub/sub connection to the master serving `channel`'s slot."""
+        node = self.redis.get_node_from_key(channel)
+        pubsub = self._shard_pubsubs.get(node.name)
+        if pubsub is None:
+            pool = aioredis.ConnectionPool(connection_class=node.connection_class,
+                                           **{**node.connection_kwargs, "health_check_interval": 15})
+            pubsub = self._shard_pubsubs[node.name] = aioredis.Redis(connection_pool=pool).pubsub()
+        return pubsub
+
+    async def _shard_subscribe(self, channel: str) -> None:
+        pubsub = self._shard_pubsub(channel)
+        first = pubsub.connection is None
+        await pubsub.ssubscribe(channel)
+        if first:  # its read loop starts once it has a connection
+            self.spawn(self._read_loop(lambda: pubsub.get_message(timeout=1.0)), f"pub/sub of {channel}'s master")
 
     def fill_soon(self, w: Watch) -> None:
         if w.filling:
@@ -224,12 +257,15 @@ class Hub:
 
     # --- background loops --------------------------------------------------------------------------
 
-    async def _read_loop(self) -> None:
+    async def _next_message(self) -> dict[str, Any] | None:
+        return await self.pubsub.get_message(timeout=1.0)
+
+    async def _read_loop(self, next_message: Callable[[], Awaitable[dict[str, Any] | None]]) -> None:
         backoff = Backoff("gateway pub/sub", log)
         reconnected = False
         while True:
             try:
-                msg = await self.pubsub.get_message(timeout=1.0)
+                msg = await next_message()
                 backoff.reset()
             except TRANSIENT as e:
                 self.metrics.inc("redis_errors_total")
@@ -248,12 +284,13 @@ class Hub:
         if msg.get("channel") is None:  # a health-check pong
             return
         channel = msg["channel"].decode() if isinstance(msg["channel"], bytes) else msg["channel"]
-        if msg["type"] == "subscribe":
+        kind = msg["type"].decode() if isinstance(msg["type"], bytes) else msg["type"]
+        if kind in ("subscribe", "ssubscribe"):
             confirmed = self._subscribed.get(channel)
             if confirmed is not None:
                 confirmed.set()
             return
-        if msg["type"] != "message":
+        if kind not in ("message", "smessage"):
             return
         data = msg["data"]
         if channel == self.resumed_channel:

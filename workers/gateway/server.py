@@ -38,7 +38,7 @@ log = logging.getLogger("streamer.gateway")
 class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        self.names = Names(prefix=config.prefix)
+        self.names = Names(prefix=config.prefix, cluster=config.cluster, shards=config.request_shards)
         self.limits = Limits(max_payload_bytes=config.max_frame_bytes)
         self.metrics = Metrics()
         # The pool's bound travels in the URL's query (redis-py reads it there).
