@@ -88,9 +88,10 @@ def best_device(requested: str | None) -> str:
 
 def worker_names(url: str, prefix: str) -> set[str]:
     """Consumer names of the workers alive on this Redis, from the heartbeat set (no key scan)."""
-    client = sync_client(url)
+    cluster = check_redis(url)
+    client = sync_client(url, cluster=cluster)
     try:
-        return set(live_workers(client, Names(prefix=prefix)))
+        return set(live_workers(client, Names(prefix=prefix, cluster=cluster)))
     finally:
         client.close()
 
