@@ -23,6 +23,7 @@ from typing import Any
 from websockets.asyncio.server import Server, ServerConnection
 from websockets.asyncio.server import serve as ws_serve
 
+from clients.errors import ProtocolError
 from clients.protocol import Limits, Names
 from workers.errors import UserError
 from workers.gateway.config import GatewayConfig
@@ -146,7 +147,13 @@ class Gateway:
         if any(request_id in s.requests for s in self.sessions):
             return  # resumed on another socket meanwhile
         self.metrics.inc("grace_cancels_total")
-        self.hub.spawn(self.hub.cancel(request_id), f"cancel {request_id} after its socket closed")
+        self.hub.spawn(self._grace_cancel(request_id), f"cancel {request_id} after its socket closed")
+
+    async def _grace_cancel(self, request_id: str) -> None:
+        try:
+            await self.hub.cancel(request_id)
+        except ProtocolError as e:  # its keys expired meanwhile: nothing left to cancel
+            log.info("request %s: not cancelled after its socket closed: %s", request_id, e.message)
 
     # --- HTTP --------------------------------------------------------------------------------------
 

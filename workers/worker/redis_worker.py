@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
+from redis.exceptions import ResponseError
 
 from clients.backoff import TRANSIENT
 from workers.redis_options import async_client
@@ -36,6 +37,16 @@ from workers.worker.state import WorkerState
 
 log = logging.getLogger("streamer.worker")
 
+# KEYS[1] = a request stream; ARGV = group, consumer. Deletes the consumer if it holds no entry.
+_LEAVE_GROUP = """
+local held = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
+if #held == 0 then
+  redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+
 
 class Worker:
     """`Worker(engine, config)`; `run` serves until `request_stop` (or the engine dies)."""
@@ -52,6 +63,7 @@ class Worker:
         self.intake = Intake(self.redis, config, self.state, self.runner)
         self.reclaimer = Reclaimer(self.redis, config, self.state, self.intake)
         self.cancels = CancelListener(self.redis, self.names, engine, self.state)
+        self._leave_group = self.redis.register_script(_LEAVE_GROUP)
         self.heartbeat = Heartbeat(self.redis, config, engine, self.state, self.writer, self.cancels)
 
     @property
@@ -119,11 +131,9 @@ class Worker:
         try:
             await self.redis.delete(self.names.worker(self.cfg.consumer))
             # Deleting a consumer drops its pending entries: only leave when Redis says it holds none
-            # (an entry delivered just as reading stopped is reclaimed by another worker instead).
+            # (an entry delivered just as reading stopped is reclaimed by another worker instead),
+            # checked and done in one script so nothing is handed to us in between.
             for stream in self.names.request_streams:
-                held = await self.redis.xpending_range(stream, self.names.group, "-", "+", 1,
-                                                       consumername=self.cfg.consumer)
-                if not held:
-                    await self.redis.xgroup_delconsumer(stream, self.names.group, self.cfg.consumer)
-        except TRANSIENT as e:
+                await self._leave_group(keys=[stream], args=[self.names.group, self.cfg.consumer])
+        except (*TRANSIENT, ResponseError) as e:
             log.warning("worker %s: could not deregister (%s)", self.cfg.consumer, e)
