@@ -22,6 +22,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import subprocess
 import sys
@@ -204,7 +205,19 @@ def main() -> None:
             time.sleep(0.5)
             cpu_before = [cpu_seconds(p.pid) for p in procs]
             go.set()
-            results = [out.get(timeout=args.timeout + 120) for _ in children]
+            results = []
+            end = time.monotonic() + args.timeout + 120
+            while len(results) < len(children):
+                try:
+                    results.append(out.get(timeout=1))
+                except queue.Empty:
+                    dead = [(name, p.returncode) for name, p in zip(("worker", "gateway"), procs, strict=True)
+                            if p.poll() is not None]
+                    if dead or time.monotonic() > end:
+                        for c in children:
+                            c.terminate()
+                        why = f"servers exited {dead}" if dead else "the clients hang"
+                        raise SystemExit(f"gave up: {why}") from None
             cpu_used = [cpu_seconds(p.pid) - before for p, before in zip(procs, cpu_before, strict=True)]
             for p in children:
                 p.join(30)
