@@ -19,7 +19,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 from redis_worker_helpers import running_worker, wait_for
-from test_gateway import config, http_get, recv, send
+from test_gateway import _cancels, _drain_cancels, config, http_get, recv, send
 from websockets.asyncio.client import connect
 
 from clients.errors import UnknownRequest
@@ -102,26 +102,10 @@ async def test_healthz_reads_the_heartbeat_set_not_the_keyspace(llama_ckpt: Path
 
 # --- cancels ---------------------------------------------------------------------------------
 
-async def _cancel_channel(r: aioredis.Redis) -> aioredis.client.PubSub:
-    pubsub = r.pubsub()
-    await pubsub.subscribe(NAMES.cancel)
-    await pubsub.get_message(timeout=1)  # the subscribe confirmation
-    return pubsub
-
-
-async def _heard(pubsub: aioredis.client.PubSub, seconds: float) -> list[str]:
-    got, deadline = [], time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.05)
-        if msg is not None:
-            got.append(msg["data"].decode())
-    return got
-
-
 @pytest.mark.anyio
 async def test_gateway_cancel_of_an_unknown_id_creates_nothing(redis_url: str) -> None:
     r = aioredis.Redis.from_url(redis_url)
-    pubsub = await _cancel_channel(r)
+    pubsub = await _cancels(r)
     async with running_gateway(config(redis_url)) as gw, connect(gw.ws_url) as ws:
         before = await r.dbsize()
         for i in range(500):
@@ -131,7 +115,7 @@ async def test_gateway_cancel_of_an_unknown_id_creates_nothing(redis_url: str) -
             assert frame["type"] == "error" and frame["code"] == "unknown_request", frame
             assert frame["id"] == f"made-up-{i}" and "made-up" in frame["message"]
         assert await r.dbsize() == before  # not one key for 500 made-up ids
-        assert await _heard(pubsub, 0.3) == []  # and no worker was bothered
+        assert await _drain_cancels(pubsub, 0.3) == []  # and no worker was bothered
         # A request that exists (queued, no worker yet) is cancelled as before.
         await send(ws, {"type": "generate", "id": "real", "prompt": "x"})
         assert (await recv(ws))["type"] == "accepted"
@@ -140,7 +124,7 @@ async def test_gateway_cancel_of_an_unknown_id_creates_nothing(redis_url: str) -
                 await anyio.sleep(0.02)
         assert [e for e, _ in await r.xrange(NAMES.requests)] == [owner]
         await send(ws, {"type": "cancel", "id": "real"})
-        assert await _heard(pubsub, 1.0) == ["real"]
+        assert await _drain_cancels(pubsub, 1.0) == ["real"]
         assert 0 < await r.pttl(NAMES.cancelled("real")) <= 3_600_000
     await pubsub.aclose()
     await r.aclose()
@@ -149,18 +133,18 @@ async def test_gateway_cancel_of_an_unknown_id_creates_nothing(redis_url: str) -
 @pytest.mark.anyio
 async def test_client_cancel_of_an_unknown_id_raises_and_creates_nothing(redis_url: str) -> None:
     r = aioredis.Redis.from_url(redis_url)
-    pubsub = await _cancel_channel(r)
+    pubsub = await _cancels(r)
     async with AsyncClient(redis_url) as client:
         with pytest.raises(UnknownRequest) as info:
             await client.cancel("never-submitted")
         assert info.value.code == "unknown_request" and info.value.request_id == "never-submitted"
-        assert await r.dbsize() == 0 and await _heard(pubsub, 0.2) == []
+        assert await r.dbsize() == 0 and await _drain_cancels(pubsub, 0.2) == []
         # Submitted and still queued (no worker): the id exists from the push on, and can be cancelled.
         rid = await client.submit("x", params=GREEDY)
         (entry, _), = await r.xrange(NAMES.requests)
         assert await r.get(NAMES.job(rid)) == entry and 0 < await r.pttl(NAMES.job(rid)) <= KEY_TTL_MS
         await client.cancel(rid)
-        assert await r.exists(NAMES.cancelled(rid)) and await _heard(pubsub, 1.0) == [rid]
+        assert await r.exists(NAMES.cancelled(rid)) and await _drain_cancels(pubsub, 1.0) == [rid]
         # A second job with the same id does not take the id over (the worker refuses it as a duplicate).
         await client.submit("y", id=rid, params=GREEDY)
         assert await r.get(NAMES.job(rid)) == entry and await r.xlen(NAMES.requests) == 2
