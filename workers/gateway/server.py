@@ -96,7 +96,8 @@ class Gateway:
         except BaseException:
             await self.hub.close()
             raise
-        self._watch_workers = asyncio.create_task(self._workers_loop())
+        if self.config.max_prompt_tokens <= 0:  # the prompt limit is learned from the workers
+            self._watch_workers = asyncio.create_task(self._workers_loop())
         log.info("gateway on %s (WebSocket %s), Redis prefix %r", self.url, self.ws_url, self.config.prefix)
 
     async def close(self) -> None:
