@@ -20,12 +20,14 @@ _SOURCE = Path(__file__).with_name("csrc") / "paged_decode_cpu.cpp"
 
 
 def _cpu_signature() -> str:
-    """Built with -march=native, so a build cache must never be shared across CPU models."""
+    """Built with -march=native, so a build cache must never be shared across CPU models; and per
+    source path, since the build files name it (two checkouts sharing one would rebuild in turn)."""
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = platform.processor()
-    return hashlib.sha1((flags + _SOURCE.read_text() + torch.__version__).encode()).hexdigest()[:12]
+    key = flags + _SOURCE.read_text() + str(_SOURCE.resolve()) + torch.__version__
+    return hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
 @cache
