@@ -159,6 +159,28 @@ async def test_generate_pushes_job_and_relays_events_in_order(redis_url: str) ->
 
 
 @pytest.mark.anyio
+async def test_a_wedged_pubsub_connection_is_replaced_not_every_request_failed(redis_url: str) -> None:
+    """A pub/sub connection that stops answering SUBSCRIBE (seen after Redis restarts under load)
+    would make every request wait and fail: the gateway replaces it and the request goes on live."""
+    r = aioredis.Redis.from_url(redis_url)
+    async with running_gateway(config(redis_url, idle_poll_s=60.0)) as gw, connect(gw.ws_url) as ws:
+        wedged = gw.hub.pubsub
+
+        async def silent(*channels: Any) -> None:  # the command never reaches Redis: no confirmation
+            return None
+
+        wedged.subscribe = silent
+        await send(ws, {"type": "generate", "id": "w1", "prompt": "x"})
+        assert await recv(ws, timeout=15) == {"type": "accepted", "id": "w1"}
+        assert gw.hub.pubsub is not wedged
+        await emit(r, "w1", tokens("w1", range(0, 2)) + [done("w1", 2)])  # live, by pub/sub only
+        events = (await collect(ws, {"w1"}, timeout=10))["w1"]
+        assert_contiguous(events) and [e["type"] for e in events] == ["token", "token", "done"]
+        assert gw.metrics.values["stream_fills_total"] == 0
+    await r.aclose()
+
+
+@pytest.mark.anyio
 async def test_missed_publish_is_filled_from_the_stream(redis_url: str) -> None:
     r = aioredis.Redis.from_url(redis_url)
     async with running_gateway(config(redis_url, idle_poll_s=0.3)) as gw, connect(gw.ws_url) as ws:

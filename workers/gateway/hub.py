@@ -30,6 +30,7 @@ from workers.redis_options import async_client
 log = logging.getLogger("streamer.gateway")
 
 _FILL_BATCH = 256
+SUBSCRIBE_TIMEOUT_S = 5.0  # Redis confirms a SUBSCRIBE at once; this long without it means trouble
 
 
 def _json_text(event: dict[str, Any], raw: bytes, encoding: str) -> str:
@@ -37,6 +38,14 @@ def _json_text(event: dict[str, Any], raw: bytes, encoding: str) -> str:
     if encoding == "json":
         return raw.decode("utf-8")
     return json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+
+
+async def _close_later(pubsub: Any) -> None:
+    await asyncio.sleep(2.0)  # the read loop waits at most 1 s on it
+    try:
+        await pubsub.aclose()
+    except Exception as e:  # it was broken already
+        log.info("closing a replaced pub/sub connection: %r", e)
 
 
 class Hub:
@@ -163,11 +172,32 @@ class Hub:
         self.watches.setdefault(w.channel, set()).add(w)
         try:
             await self._sync(w.channel)
-            await asyncio.wait_for(self._subscribed[w.channel].wait(), timeout=10)
+            try:
+                await asyncio.wait_for(self._subscribed[w.channel].wait(), timeout=SUBSCRIBE_TIMEOUT_S)
+            except TimeoutError:
+                # Redis answers a SUBSCRIBE at once: a connection that stays silent is wedged (seen
+                # after Redis restarts under load). Replace it, once, rather than fail every request.
+                await self._renew_pubsub()
+                await asyncio.wait_for(self._subscribed[w.channel].wait(), timeout=SUBSCRIBE_TIMEOUT_S)
         except BaseException:
             self.unwatch(w)
             raise
         return w
+
+    async def _renew_pubsub(self) -> None:
+        """A fresh pub/sub connection subscribed to everything watched; the old one is closed once
+        the read loop has let go of it."""
+        async with self._sub_lock:
+            old, self.pubsub = self.pubsub, self.redis.pubsub()
+            self.metrics.inc("redis_errors_total")
+            log.warning("gateway pub/sub: a subscription was not confirmed in %ss; connection replaced",
+                        SUBSCRIBE_TIMEOUT_S)
+            shard = self.names.cluster  # shard channels have their own connections
+            channels = [] if shard else list(self.watches)
+            for channel in channels:
+                self._subscribed[channel] = asyncio.Event()
+            await self.pubsub.subscribe(self.resumed_channel, *channels)
+        self.spawn(_close_later(old), "close the replaced pub/sub connection")
 
     def unwatch(self, w: Watch) -> None:
         if w.closed:
