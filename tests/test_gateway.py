@@ -175,7 +175,8 @@ async def test_a_wedged_pubsub_connection_is_replaced_not_every_request_failed(r
         assert gw.hub.pubsub is not wedged
         await emit(r, "w1", tokens("w1", range(0, 2)) + [done("w1", 2)])  # live, by pub/sub only
         events = (await collect(ws, {"w1"}, timeout=10))["w1"]
-        assert_contiguous(events) and [e["type"] for e in events] == ["token", "token", "done"]
+        assert_contiguous(events)
+        assert [e["type"] for e in events] == ["token", "token", "done"]
         assert gw.metrics.values["stream_fills_total"] == 0
     await r.aclose()
 

@@ -174,7 +174,7 @@ def test_resume_continues_exactly(llm):
             text += out.outputs[0].text
     assert full.token_ids[:6] + tokens == full.token_ids
     # What a client had already received from the first run: the streamed text of 6 tokens.
-    streamed = IncrementalDetokenizer(llm.tokenizer.backend_tokenizer, engine.tokenize("Resume me")[0], p)
+    streamed = IncrementalDetokenizer(llm.tokenizer.backend_tokenizer, engine.tokenize("Resume me").token_ids, p)
     for t in full.token_ids[:6]:
         streamed.append(t, check_stop=False)
     assert streamed.text + text == full.text
