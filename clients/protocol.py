@@ -98,6 +98,10 @@ class Names:
         """Marker set by clients on cancel, so a job cancelled before any worker read it is not run."""
         return self._of("cancelled", request_id)
 
+    def gateway_resumed(self, request_id: str) -> str:
+        """When a gateway last resumed the request (ms): other gateways' grace cancels check it."""
+        return self._of("gateway:resumed", request_id)
+
     def gateway_claim(self, request_id: str) -> str:
         """Set by a gateway when it pushes a job (duplicate ids refused before they reach a worker)."""
         return self._of("gateway:req", request_id)

@@ -339,6 +339,20 @@ async def test_resume_through_another_gateway_stops_the_grace_cancel(redis_url: 
         async with connect(b.ws_url) as ws:  # the browser came back through the other gateway
             await send(ws, {"type": "resume", "id": "moved"})
             assert await _drain_cancels(pubsub, 1.0) == ["dropped"]
+        # The resume can also reach Redis before the first gateway notices its socket closed (its
+        # pub/sub notice then finds no timer to stop): the timer must find the resume in Redis.
+        early = await connect(a.ws_url)
+        await send(early, {"type": "generate", "id": "early", "prompt": "x"})
+        await recv(early)
+        async with connect(b.ws_url) as ws:
+            await send(ws, {"type": "resume", "id": "early"})
+            await asyncio.sleep(0.2)
+            await early.close()
+            # "moved" is B's to cancel: its socket there closed above. "early" stays.
+            assert await _drain_cancels(pubsub, 1.5) == ["moved"]
+            await emit(r, "early", tokens("early", range(0, 1)) + [done("early", 1)])
+            assert [e["type"] for e in (await collect(ws, {"early"}))["early"]] == ["token", "done"]
+        assert a.metrics.values["grace_cancels_total"] == 1  # "dropped" only
     await pubsub.aclose()
     await r.aclose()
 

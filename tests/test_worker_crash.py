@@ -203,6 +203,26 @@ async def test_inflight_entries_stay_fresh_and_a_takeover_stops_the_job(long_con
 
 
 @pytest.mark.anyio
+async def test_a_worker_claiming_its_own_running_entry_leaves_the_job_alone(llama_ckpt, redis_url):
+    """After a Redis outage longer than --claim-idle, the entries of a live worker's own running jobs
+    are idle enough for its reclaimer too: XAUTOCLAIM hands them back to it. That must not start
+    the job a second time (the engine would refuse the id, the client would get an error in the
+    middle of a healthy stream, and the new claim would fence the running copy off)."""
+    r = redis.Redis.from_url(redis_url)
+    params = {**LONG, "max_tokens": 300}
+    async with running_worker(llama_ckpt, redis_url) as worker, AsyncClient(redis_url) as client:
+        rid = await client.submit("mine", params=params)
+        await wait_for(lambda: len(read_events(redis_url, rid)) >= 2, timeout=20)
+        async with anyio.create_task_group() as tg:  # as the claim loop does, with every entry idle enough
+            await worker.reclaimer._claim_stream(NAMES.requests, 0, tg)
+        events = [e async for e in client.stream(rid, timeout=60)]
+    assert [e["type"] for e in events].count("error") == 0
+    assert events[-1]["type"] == "done" and len(tokens_of(events)) == 300
+    assert r.hget(NAMES.fence(rid), "epoch") == b"1"  # never claimed a second time
+    r.close()
+
+
+@pytest.mark.anyio
 async def test_cancel_marker_reaches_a_running_job(long_context_ckpt, redis_url):
     """A cancel whose PUBLISH nobody heard (pub/sub reconnecting) still stops the job."""
     r = redis.Redis.from_url(redis_url)

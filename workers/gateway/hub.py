@@ -150,7 +150,15 @@ class Hub:
         return event if isinstance(event, dict) else None
 
     async def announce_resume(self, request_id: str) -> None:
+        """Every gateway's grace cancel of this request stops: a live one hears it now, one that has not
+        started yet finds the time of the resume in Redis (`resumed_since`)."""
+        await self.redis.set(self.names.gateway_resumed(request_id), int(time.time() * 1000), px=self.ttl_ms)
         await self.redis.publish(self.resumed_channel, request_id)
+
+    async def resumed_since(self, request_id: str, since_ms: float) -> bool:
+        """Whether some gateway resumed the request at or after `since_ms` (wall clock, ms)."""
+        when = await self.redis.get(self.names.gateway_resumed(request_id))
+        return when is not None and int(when) > since_ms
 
     async def cancel(self, request_id: str) -> None:
         """The marker covers a job no worker has read yet; the message reaches the one running it.

@@ -126,32 +126,37 @@ class Gateway:
 
     # --- grace-period cancel -----------------------------------------------------------------------
 
-    def cancel_later(self, request_id: str) -> None:
-        """A socket closed with this request unfinished: free its KV blocks unless someone resumes it."""
+    def cancel_later(self, request_id: str, since_ms: float) -> None:
+        """A socket closed with this request unfinished: free its KV blocks unless someone resumes it
+        (here, or on another gateway since `since_ms`: that resume may even come before we noticed
+        the close, so its pub/sub notice alone can miss our timer)."""
         if self.server is None or not self.server.is_serving():
             return  # shutting down: see close()
         if self.config.cancel_grace_s <= 0:
-            self._cancel_now(request_id)
+            self._cancel_now(request_id, since_ms)
             return
         self.keep(request_id)
         loop = asyncio.get_running_loop()
         self._pending_cancels[request_id] = loop.call_later(self.config.cancel_grace_s, self._cancel_now,
-                                                            request_id)
+                                                            request_id, since_ms)
 
     def keep(self, request_id: str) -> None:
         handle = self._pending_cancels.pop(request_id, None)
         if handle is not None:
             handle.cancel()
 
-    def _cancel_now(self, request_id: str) -> None:
+    def _cancel_now(self, request_id: str, since_ms: float) -> None:
         self._pending_cancels.pop(request_id, None)
         if any(request_id in s.requests for s in self.sessions):
             return  # resumed on another socket meanwhile
-        self.metrics.inc("grace_cancels_total")
-        self.hub.spawn(self._grace_cancel(request_id), f"cancel {request_id} after its socket closed")
+        self.hub.spawn(self._grace_cancel(request_id, since_ms), f"cancel {request_id} after its socket closed")
 
-    async def _grace_cancel(self, request_id: str) -> None:
+    async def _grace_cancel(self, request_id: str, since_ms: float) -> None:
         try:
+            if await self.hub.resumed_since(request_id, since_ms):
+                log.info("request %s: resumed through another gateway, not cancelled", request_id)
+                return
+            self.metrics.inc("grace_cancels_total")
             await self.hub.cancel(request_id)
         except ProtocolError as e:  # its keys expired meanwhile: nothing left to cancel
             log.info("request %s: not cancelled after its socket closed: %s", request_id, e.message)

@@ -75,8 +75,9 @@ def _request_id(obj: dict[str, Any]) -> str:
 class GraceCancels(Protocol):
     """The gateway's grace-period cancels, which outlive any one socket (server.py's `Gateway`)."""
 
-    def cancel_later(self, request_id: str) -> None:
-        """A socket closed with this request unfinished: cancel it unless someone resumes it."""
+    def cancel_later(self, request_id: str, since_ms: float) -> None:
+        """A socket closed with this request unfinished (served on it since `since_ms`, wall clock):
+        cancel it unless someone resumes it."""
         ...
 
     def keep(self, request_id: str) -> None:
@@ -110,7 +111,7 @@ class Session:
             unfinished, self.requests = self.requests, {}
             for rid, w in unfinished.items():
                 self.hub.unwatch(w)
-                self.grace.cancel_later(rid)
+                self.grace.cancel_later(rid, w.started_ms)
 
     # --- sending -----------------------------------------------------------------------------------
 

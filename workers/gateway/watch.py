@@ -35,6 +35,7 @@ class Watch:
         self.finished = False
         self.closed = False
         self.last_activity = time.monotonic()
+        self.started_ms = time.time() * 1000  # wall clock: compared with other gateways' resume times
         self.filling = False
         self.fill_again = False
         self.quiet_polls = 0  # idle-poll reads in a row that found nothing: the next one waits longer

@@ -103,6 +103,11 @@ class Reclaimer:
         return names
 
     async def _start_reclaimed(self, stream: str, entries: list[tuple[Any, Any]], jobs: TaskGroup) -> None:
+        # Entries this worker holds are claimed back only because their idle time grew while Redis
+        # was away (no refresh got through): the claim just renewed them; the jobs run on here.
+        entries = [(e, f) for e, f in entries if (stream, as_str(e)) not in self.state.pending_entries]
+        if not entries:
+            return
         async with self.redis.pipeline(transaction=False) as pipe:
             for entry_id, _ in entries:
                 pipe.xpending_range(stream, self.names.group, entry_id, entry_id, 1)
