@@ -58,15 +58,17 @@ def paged_prefill_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, va
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        k = gather_kv(key_cache, block_tables[b:b + 1], seq_len)[0].transpose(0, 1)  # [KVH, L, D]
-        v = gather_kv(value_cache, block_tables[b:b + 1], seq_len)[0].transpose(0, 1)
-        q = query[q_start:q_end].transpose(0, 1)  # [H, q_len, D]
-        gqa = q.shape[0] != k.shape[0]
+        # 4-D [1, heads, len, D]: PyTorch's fused CPU (flash) kernel takes only batched inputs and
+        # silently falls back to the slow "math" path for 3-D ones (4-5x slower at 1.5k tokens).
+        k = gather_kv(key_cache, block_tables[b:b + 1], seq_len).transpose(1, 2)  # [1, KVH, L, D]
+        v = gather_kv(value_cache, block_tables[b:b + 1], seq_len).transpose(1, 2)
+        q = query[q_start:q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        gqa = q.shape[1] != k.shape[1]
         if q_len == seq_len:  # nothing cached before: plain causal attention, no mask to build
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
             mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        out[q_start:q_end] = o.transpose(0, 1)
+        out[q_start:q_end] = o[0].transpose(0, 1)
     return out

@@ -115,6 +115,18 @@ class BlockManager:
                 block.block_hash = hashes[i]
                 self.cached[hashes[i]] = block.block_id
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix that no sequence holds (benchmarks between repeats, or an
+        operator after changing weights). Held blocks keep their hashes. Returns how many went."""
+        dropped = 0
+        for block_id in self.free_queue:
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                block.block_hash = None
+                dropped += 1
+        return dropped
+
     # ---- allocation --------------------------------------------------------------------------
     def blocks_needed(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> int:
         """Free blocks that `allocate(seq, num_new_tokens, hit)` would take (a cached hit that

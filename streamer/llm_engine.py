@@ -109,6 +109,10 @@ class LLMEngine:
             self.scheduler.finish(seq)
         return outputs
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached prefixes no request holds; returns how many blocks were dropped."""
+        return self.scheduler.block_manager.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Stop the model's processes (tensor parallelism); the engine is unusable afterwards."""
         self.runner.shutdown()

@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernel_testing import make_paged_kv, query_start_loc
+
 from kernels.cpu_attention import load, paged_decode_attention_cpu
-from kernels.paged_attention import paged_decode_attention_ref
+from kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref
+from streamer.attention.cpu_backend import CpuBackend
 
 # Relative error ||out - ref|| / ||ref||. float32: both accumulate in float32, in a different
 # order, so ~1e-6. bfloat16: inputs are identical, but the kernel accumulates in float32 and
@@ -60,3 +63,59 @@ def test_ignores_slots_past_each_length():
     key_cache[1] = 1e4
     after = paged_decode_attention_cpu(query, key_cache, value_cache, tables, lens, 0.125)
     assert torch.equal(before, after)
+
+
+# ---- prefill / extend: PyTorch's fused CPU attention, never its "math" fallback ---------------
+PREFILL_CASES = [  # (heads, kv_heads, head_size, block_size, new tokens per sequence, context lengths)
+    (12, 4, 64, 16, [300, 7], [300, 7]),     # GQA 3, prompts with nothing cached
+    (8, 8, 64, 32, [40, 1, 65], [100, 33, 65]),  # extends over cached context, and a plain prompt
+    (6, 2, 80, 16, [129], [200]),             # head size 80
+]
+
+
+def _prefill_case(case: tuple, seed: int) -> tuple:
+    heads, kv_heads, head_size, block_size, q_lens, seq_lens = case
+    gen = torch.Generator().manual_seed(seed)
+    kv = make_paged_kv(seq_lens, kv_heads, head_size, block_size, torch.float32, "cpu", gen)
+    query = torch.randn(sum(q_lens), heads, head_size, generator=gen)
+    return kv.clean(), kv.block_tables, query_start_loc(q_lens, "cpu"), kv.seq_lens, query
+
+
+def _dense_attention(query, key_cache, value_cache, tables, starts, seq_lens, scale):
+    """Softmax(QK^T)V written out token by token from the block tables: the definition."""
+    out = torch.empty_like(query)
+    group = query.shape[1] // key_cache.shape[2]
+    bs = key_cache.shape[1]
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        rows = range(int(starts[b]), int(starts[b + 1]))
+        slots = [int(tables[b, p // bs]) * bs + p % bs for p in range(seq_len)]
+        k = key_cache.flatten(0, 1)[slots].repeat_interleave(group, 1)  # [L, H, D]
+        v = value_cache.flatten(0, 1)[slots].repeat_interleave(group, 1)
+        for i, row in enumerate(rows):
+            pos = seq_len - len(rows) + i
+            w = torch.einsum("hd,lhd->hl", query[row], k[:pos + 1]) * scale
+            out[row] = torch.einsum("hl,lhd->hd", w.softmax(-1), v[:pos + 1])
+    return out
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_prefill_reference_is_causal_attention_over_the_cache(case):
+    (key_cache, value_cache), tables, starts, seq_lens, query = _prefill_case(case, seed=case[4][0])
+    scale = case[2] ** -0.5
+    ref = paged_prefill_attention_ref(query, key_cache, value_cache, tables, starts, seq_lens, scale)
+    dense = _dense_attention(query, key_cache, value_cache, tables, starts, seq_lens, scale)
+    assert ((ref - dense).norm() / dense.norm()).item() < 1e-5  # float32, different summation order
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_prefill_runs_the_fused_cpu_kernel(case):
+    """The CPU backend's prefill must reach `_scaled_dot_product_flash_attention_for_cpu`: the
+    math fallback (3-D inputs did that) costs 4-5x at long prompts."""
+    (key_cache, value_cache), tables, starts, seq_lens, query = _prefill_case(case, seed=1)
+    out = torch.empty_like(query)
+    with torch.profiler.profile() as prof:
+        CpuBackend().prefill(query, key_cache, value_cache, tables, starts, seq_lens, case[2] ** -0.5,
+                             max(case[4]), out)
+    names = {e.name for e in prof.events()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in names, sorted(n for n in names if "attention" in n)
+    assert "aten::_scaled_dot_product_attention_math" not in names

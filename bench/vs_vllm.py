@@ -1,0 +1,171 @@
+"""streamer against vLLM's CPU build, side by side in one run, on the speed-anchor workloads.
+
+    python bench/vs_vllm.py --model DIR [--workloads main,chat,prefill] [--dtype float32]
+        [--repeats 3] [--vllm-python VENV/bin/python --anchors ANCHORS_DIR] [--json FILE]
+
+`main` and `chat` are the anchor workloads (reproduced in bench/workload.py; the fingerprints
+printed by both sides must match), `prefill` is ours (long prompts, 8 output tokens). Both
+engines get the same token ids, greedy, ignore_eos, all requests at once, prefix caches reset
+before each timed repeat, a few short unrelated requests first to warm up. Before every timed
+run the benchmark waits for the machine to be quiet. Prints one table: output tokens/s of each
+(median of the repeats), the ratio, and for streamer time to first token and peak KV use.
+Without `--vllm-python` only streamer runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # not bench/: bench/kernels.py shadows kernels
+from bench.workload import ANCHOR_WORKLOADS, fingerprint  # noqa: E402
+from streamer import LLMEngine, SamplingParams  # noqa: E402
+from streamer.config import EngineConfig  # noqa: E402
+
+# vLLM's best settings per workload on 2 cores (the anchors' README): both cores bound,
+# tcmalloc + Intel OpenMP preloaded, prefix caching with 32-token blocks for the shared prefix.
+VLLM_FLAGS = {
+    "main": ["--bind", "0-1", "--preload", "tcmalloc+iomp"],
+    "chat": ["--bind", "0-1", "--preload", "tcmalloc+iomp", "--prefix-caching", "on", "--block-size", "32"],
+    "prefill": ["--bind", "0-1", "--preload", "tcmalloc+iomp"],
+}
+
+
+def wait_quiet(min_idle: float = 0.93, window: float = 5.0, timeout: float = 600.0) -> float:
+    """Block until the CPUs were idle for `min_idle` of a `window`; returns the idle share seen."""
+    def times() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = list(map(int, f.readline().split()[1:]))
+        return v[3] + v[4], sum(v)
+
+    deadline = time.monotonic() + timeout
+    while True:
+        i0, t0 = times()
+        time.sleep(window)
+        i1, t1 = times()
+        idle = (i1 - i0) / max(1, t1 - t0)
+        if idle >= min_idle or time.monotonic() > deadline:
+            return idle
+
+
+def warm_requests() -> list[dict]:
+    rng = random.Random(12345)
+    return [{"prompt": [rng.randrange(4, 32000) for _ in range(rng.randint(16, 200))], "max_tokens": 16}
+            for _ in range(8)]
+
+
+def generate(engine: LLMEngine, reqs: list[dict]) -> dict:
+    """All requests at once; output tok/s, per-request time to first token, peak KV blocks."""
+    start = time.perf_counter()
+    for i, r in enumerate(reqs):
+        engine.add_request(str(i), {"prompt_token_ids": r["prompt"]},
+                           SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True))
+    first: dict[str, float] = {}
+    lengths: dict[str, int] = {}
+    peak_blocks = 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.outputs[0].token_ids:
+                first.setdefault(out.request_id, now - start)
+            lengths[out.request_id] = len(out.outputs[0].token_ids)
+        peak_blocks = max(peak_blocks, engine.scheduler.block_manager.num_used_blocks)
+    wall = time.perf_counter() - start
+    assert [lengths[str(i)] for i in range(len(reqs))] == [r["max_tokens"] for r in reqs], "output length mismatch"
+    ttft = sorted(first.values())
+    tokens = sum(r["max_tokens"] for r in reqs)
+    return {"wall_s": wall, "output_tok_s": tokens / wall, "ttft_mean_s": statistics.mean(ttft),
+            "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], "peak_kv_blocks": peak_blocks}
+
+
+def run_streamer(args: argparse.Namespace, name: str, reqs: list[dict]) -> dict:
+    engine = LLMEngine(EngineConfig(model=str(args.model), dtype=args.dtype, block_size=args.block_size,
+                                    max_num_batched_tokens=args.max_num_batched_tokens))
+    generate(engine, warm_requests())
+    runs = []
+    for _ in range(args.repeats):
+        engine.reset_prefix_cache()
+        idle = wait_quiet()
+        run = generate(engine, reqs)
+        run["idle_before"] = idle
+        runs.append(run)
+        print(json.dumps({"system": "streamer", "workload": name, **{k: round(v, 3) for k, v in run.items()}}),
+              file=sys.stderr, flush=True)
+    stats = engine.stats()
+    median = statistics.median(r["output_tok_s"] for r in runs)
+    chosen = min(runs, key=lambda r: abs(r["output_tok_s"] - median))
+    engine.shutdown()
+    return {**chosen, "median_output_tok_s": median, "runs": runs,
+            "kv_blocks_total": stats["kv_blocks_total"], "block_size": args.block_size,
+            "prefix_cache_hit_tokens": stats.get("prefix_cache_hit_tokens"),
+            "prefix_cache_query_tokens": stats.get("prefix_cache_query_tokens")}
+
+
+def run_vllm(args: argparse.Namespace, name: str, reqs: list[dict]) -> dict:
+    script = Path(args.anchors) / "bench_vllm.py"
+    cmd = [args.vllm_python, str(script), str(args.model), "--dtype", args.dtype, "--repeats", str(args.repeats),
+           *VLLM_FLAGS[name]]
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(reqs, f)
+    cmd += ["--workload", name] if name in ("main", "chat") else ["--workload-file", f.name]
+    wait_quiet()
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    os.unlink(f.name)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"vLLM failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    result = json.loads(lines[-1])
+    if name in ("main", "chat") and result["fingerprint"] != fingerprint(reqs):
+        raise RuntimeError(f"workload differs: vLLM ran {result['fingerprint']}, streamer {fingerprint(reqs)}")
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, required=True, help="a Llama checkpoint directory (the anchors' model)")
+    ap.add_argument("--workloads", default="main,chat,prefill")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--vllm-python", help="python of a venv with vLLM's CPU build")
+    ap.add_argument("--anchors", help="the folder holding bench_vllm.py")
+    ap.add_argument("--json", type=Path, help="also write every figure here")
+    args = ap.parse_args()
+    if args.vllm_python and not args.anchors:
+        ap.error("--vllm-python needs --anchors")
+    rows = []
+    for name in args.workloads.split(","):
+        reqs = ANCHOR_WORKLOADS[name]()
+        ours = run_streamer(args, name, reqs)
+        theirs = run_vllm(args, name, reqs) if args.vllm_python else None
+        rows.append({"workload": name, "fingerprint": fingerprint(reqs), "streamer": ours, "vllm": theirs})
+    print_table(rows, args)
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))
+
+
+def print_table(rows: list[dict], args: argparse.Namespace) -> None:
+    print(f"\n{args.dtype}, torch threads {os.cpu_count()} cpus, median of {args.repeats}")
+    print("| workload | fingerprint | streamer tok/s | vLLM tok/s | ratio | TTFT mean / p99 (s) | peak KV blocks |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        ours, theirs = row["streamer"], row["vllm"]
+        vllm = f"{theirs['median_output_tok_s']:.1f}" if theirs else "-"
+        ratio = f"**{ours['median_output_tok_s'] / theirs['median_output_tok_s']:.2f}x**" if theirs else "-"
+        print(f"| {row['workload']} | {row['fingerprint']} | {ours['median_output_tok_s']:.1f} | {vllm} | {ratio} "
+              f"| {ours['ttft_mean_s']:.2f} / {ours['ttft_p99_s']:.2f} "
+              f"| {ours['peak_kv_blocks']} of {ours['kv_blocks_total']} ({ours['block_size']}-token) |")
+
+
+if __name__ == "__main__":
+    main()
