@@ -77,14 +77,16 @@ def generate(engine: LLMEngine, reqs: list[dict]) -> dict:
         for out in outputs:
             if out.outputs[0].token_ids:
                 first.setdefault(out.request_id, now - start)
-            lengths[out.request_id] = len(out.outputs[0].token_ids)
+            lengths[out.request_id] = lengths.get(out.request_id, 0) + len(out.outputs[0].token_ids)  # deltas
         peak_blocks = max(peak_blocks, engine.scheduler.block_manager.num_used_blocks)
     wall = time.perf_counter() - start
     assert [lengths[str(i)] for i in range(len(reqs))] == [r["max_tokens"] for r in reqs], "output length mismatch"
     ttft = sorted(first.values())
     tokens = sum(r["max_tokens"] for r in reqs)
-    return {"wall_s": wall, "output_tok_s": tokens / wall, "ttft_mean_s": statistics.mean(ttft),
-            "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], "peak_kv_blocks": peak_blocks}
+    total = tokens + sum(len(r["prompt"]) for r in reqs)
+    return {"wall_s": wall, "output_tok_s": tokens / wall, "total_tok_s": total / wall,
+            "ttft_mean_s": statistics.mean(ttft), "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+            "peak_kv_blocks": peak_blocks}
 
 
 def run_streamer(args: argparse.Namespace, name: str, reqs: list[dict]) -> dict:
@@ -156,13 +158,18 @@ def main() -> None:
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     print(f"\n{args.dtype}, torch threads {os.cpu_count()} cpus, median of {args.repeats}")
-    print("| workload | fingerprint | streamer tok/s | vLLM tok/s | ratio | TTFT mean / p99 (s) | peak KV blocks |")
+    print("| workload | fingerprint | streamer output tok/s (all tok/s) | vLLM | ratio | streamer TTFT mean / p99 (s) "
+          "| streamer peak KV blocks |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
         ours, theirs = row["streamer"], row["vllm"]
-        vllm = f"{theirs['median_output_tok_s']:.1f}" if theirs else "-"
+        vllm = "-"
+        if theirs:
+            total = (theirs["prompt_tokens"] + theirs["output_tokens"]) / theirs["median_wall_s"]
+            vllm = f"{theirs['median_output_tok_s']:.1f} ({total:.0f})"
         ratio = f"**{ours['median_output_tok_s'] / theirs['median_output_tok_s']:.2f}x**" if theirs else "-"
-        print(f"| {row['workload']} | {row['fingerprint']} | {ours['median_output_tok_s']:.1f} | {vllm} | {ratio} "
+        print(f"| {row['workload']} | {row['fingerprint']} | {ours['median_output_tok_s']:.1f} "
+              f"({ours['total_tok_s']:.0f}) | {vllm} | {ratio} "
               f"| {ours['ttft_mean_s']:.2f} / {ours['ttft_p99_s']:.2f} "
               f"| {ours['peak_kv_blocks']} of {ours['kv_blocks_total']} ({ours['block_size']}-token) |")
 

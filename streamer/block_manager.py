@@ -32,6 +32,10 @@ class PrefixHit:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_tokens: int = 0
+    # The sequence's next full block is being computed by a running prompt right now: waiting
+    # one step and hitting it beats computing the same tokens twice.
+    pending: bool = False
+    full_hashes: list[bytes] = field(default_factory=list)  # of every full block: what it promises
 
 
 def chain_hash(parent: bytes | None, token_ids: list[int]) -> bytes:
@@ -55,6 +59,8 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}
         self.tables: dict[int, list[int]] = {}  # seq_id -> block ids
         self.hashes: dict[int, list[bytes]] = {}  # seq_id -> chain hashes of its full computed blocks
+        # Full blocks that running prompts are still computing: hash -> the seq_id computing it.
+        self.promised: dict[bytes, int] = {}
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write, for the next step
 
     @property
@@ -92,7 +98,8 @@ class BlockManager:
             hits.append(block_id)
         if len(hits) * self.block_size >= seq.num_tokens:
             hits.pop()
-        return PrefixHit(hits, hashes[:len(hits)], len(hits) * self.block_size)
+        pending = len(hits) < len(hashes) and hashes[len(hits)] in self.promised
+        return PrefixHit(hits, hashes[:len(hits)], len(hits) * self.block_size, pending, hashes)
 
     def _full_block_hashes(self, seq: Sequence, known: list[bytes], num_tokens: int) -> list[bytes]:
         hashes = list(known)
@@ -111,6 +118,8 @@ class BlockManager:
         table = self.tables[seq.seq_id]
         for i in range(start, len(hashes)):
             block = self.blocks[table[i]]
+            if self.promised.get(hashes[i]) == seq.seq_id:
+                del self.promised[hashes[i]]
             if block.block_hash is None and hashes[i] not in self.cached:
                 block.block_hash = hashes[i]
                 self.cached[hashes[i]] = block.block_id
@@ -160,6 +169,8 @@ class BlockManager:
             return False
         table = self.tables.setdefault(seq.seq_id, [])
         computed = seq.num_computed_tokens
+        if hit is not None:
+            self._promise(seq, hit)
         if hit is not None and hit.block_ids:
             for block_id in hit.block_ids:
                 self._ref(block_id)
@@ -175,6 +186,13 @@ class BlockManager:
         while len(table) * self.block_size < computed + num_new_tokens:
             table.append(self._take_free())
         return True
+
+    def _promise(self, seq: Sequence, hit: PrefixHit) -> None:
+        """A prompt starting to compute announces the full blocks it will fill, so that prompts
+        sharing them wait for them instead of computing them again (`PrefixHit.pending`)."""
+        for h in hit.full_hashes[len(hit.block_ids):]:
+            if h not in self.cached:
+                self.promised.setdefault(h, seq.seq_id)
 
     def _take_free(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
@@ -209,6 +227,8 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
         self.hashes.pop(seq.seq_id, None)
+        if self.promised:  # a prompt freed before finishing breaks its promises
+            self.promised = {h: owner for h, owner in self.promised.items() if owner != seq.seq_id}
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

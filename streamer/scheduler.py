@@ -147,9 +147,13 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
+        held = []  # prompts waiting for a prefix that a running prompt is computing
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek()
             hit = bm.find_cached_prefix(seq)
+            if hit.pending:  # shared on its next step, instead of computed twice in this one
+                held.append(self.waiting.pop_entry())
+                continue
             num_new = min(seq.num_tokens - hit.num_tokens, budget)
             if not bm.allocate(seq, num_new, hit):
                 break  # retried next step
@@ -164,6 +168,8 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+        for entry in held:
+            self.waiting.push_entry(entry)
 
     def _park_idle(self, out: SchedulerOutput, budget: int) -> None:
         """Nothing could run: every running sequence is a beam that already has its next-token

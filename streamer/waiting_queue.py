@@ -32,6 +32,16 @@ class WaitingQueue:
         self.num_tokens -= seq.num_tokens
         return seq
 
+    def pop_entry(self) -> tuple[int, int, int, Sequence]:
+        """Take the head out with its place in line, to `push_entry` it back unchanged."""
+        entry = heapq.heappop(self._heap)
+        self.num_tokens -= entry[3].num_tokens
+        return entry
+
+    def push_entry(self, entry: tuple[int, int, int, Sequence]) -> None:
+        heapq.heappush(self._heap, entry)
+        self.num_tokens += entry[3].num_tokens
+
     def remove(self, seq: Sequence) -> bool:
         for i, item in enumerate(self._heap):
             if item[3] is seq:

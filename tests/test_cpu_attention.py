@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kernel_testing import make_paged_kv, query_start_loc
 
 from kernels.cpu_attention import load, paged_decode_attention_cpu

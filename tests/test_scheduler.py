@@ -330,3 +330,57 @@ def test_a_beam_waiting_for_its_sibling_is_skipped_not_parked_while_the_sibling_
     out = sched.schedule()
     assert [s.seq for s in out.scheduled] == [second] and out.preempted == []
     assert first.status is SeqStatus.RUNNING
+
+
+def _shared_prefix_requests(n: int, prefix: int, rng_seed: int = 0) -> list[Sequence]:
+    import random
+
+    rng = random.Random(rng_seed)
+    shared = [rng.randrange(4, 32000) for _ in range(prefix)]
+    seqs = []
+    for i in range(n):
+        s = make_seq(1)
+        s.request_id = f"c{i}"
+        s.token_ids = shared + [rng.randrange(4, 32000) for _ in range(rng.randint(8, 32))]
+        s.num_prompt_tokens = len(s.token_ids)
+        seqs.append(s)
+    return seqs
+
+
+def test_simultaneous_arrivals_share_the_prefix_being_computed() -> None:
+    """32 prompts sharing a 200-token prefix arrive at once (block size 16): the first computes
+    the prefix, the other 31 wait one step and then hit all 12 of its full blocks: the same
+    physical block ids, 31 x 192 hit tokens, and the shared tokens computed once."""
+    sched = Scheduler(SchedulerConfig(400, 16, max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048))
+    seqs = _shared_prefix_requests(32, 200)
+    for s in seqs:
+        sched.add(s)
+    first = [item.seq.request_id for item in step(sched)[0].scheduled]
+    assert first == ["c0"]  # the others hold back for one step rather than compute the prefix again
+    second = step(sched)[0].scheduled
+    assert sorted(item.seq.request_id for item in second) == sorted(f"c{i}" for i in range(32))
+    leader_blocks = sched.block_manager.block_table(seqs[0])[:12]
+    for s in seqs[1:]:
+        assert sched.block_manager.block_table(s)[:12] == leader_blocks
+        assert s.num_cached_tokens == 192
+    assert sched.counters.prefix_cache_hit_tokens == 31 * 192
+    computed = sum(item.num_new_tokens for item in second if item.seq is not seqs[0])
+    assert computed == sum(s.num_prompt_tokens - 192 for s in seqs[1:])
+    assert sched.block_manager.promised == {}
+
+
+def test_a_prompt_waits_for_a_chunked_prefix_and_a_preempted_leader_releases_it() -> None:
+    """A shared prefix computed over several chunks keeps its followers waiting until it is
+    cached; if the leader loses its blocks first, the followers stop waiting."""
+    sched = Scheduler(SchedulerConfig(400, 16, max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=64))
+    leader, follower = _shared_prefix_requests(2, 200)
+    sched.add(leader)
+    sched.add(follower)
+    for _ in range(3):  # 64-token chunks of the leader; the follower waits
+        assert [item.seq for item in step(sched)[0].scheduled] == [leader]
+    assert sched.block_manager.promised  # blocks 12 of the prefix are not computed yet
+    sched.finish(leader)  # freed before its prompt is done (an abort)
+    assert sched.block_manager.promised == {}
+    scheduled = step(sched)[0].scheduled
+    assert [item.seq for item in scheduled] == [follower]
+    assert follower.num_cached_tokens == 192  # the 12 blocks the leader did compute (3 x 64 tokens)

@@ -6,7 +6,7 @@
 // (all KV heads) are contiguous, so each block is read front to back in one stream (48 KiB for
 // 16 positions x 12 heads x 64 floats) rather than as scattered per-head pieces. Softmax is
 // computed online, block by block (flash-decoding style), so K and V are each read exactly once.
-#include <torch/extension.h>
+#include "cpu_ops.h"
 #include <ATen/Parallel.h>
 #include <omp.h>
 
@@ -154,8 +154,4 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
                      KVH, D, BS, block_tables.size(1), static_cast<float>(scale));
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
 }

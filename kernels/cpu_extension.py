@@ -1,0 +1,59 @@
+"""The CPU kernels of csrc/ (C++), built into one module on first use with the local compiler.
+
+Each kernel is defined by its torch reference in this package (see csrc/cpu_ops.h). If no
+compiler is available, `load()` returns None and callers use the references.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("streamer.kernels")
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / "paged_decode_cpu.cpp", _CSRC / "elementwise_cpu.cpp", _CSRC / "bindings_cpu.cpp"]
+
+
+def _cpu_signature() -> str:
+    """Built with -march=native, so a build cache must never be shared across CPU models; and per
+    source path, since the build files name it (two checkouts sharing one would rebuild in turn)."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    key = flags + torch.__version__ + (_CSRC / "cpu_ops.h").read_text()
+    for source in _SOURCES:
+        key += source.read_text() + str(source.resolve())
+    return hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+@cache
+def load() -> Any | None:
+    """The compiled module, or None (no compiler)."""
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+
+        return load_extension(
+            name=f"streamer_cpu_kernels_{_cpu_signature()}",
+            sources=[str(s) for s in _SOURCES],
+            extra_include_paths=[str(_CSRC)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler / headers: the references still work
+        log.warning("CPU kernels unavailable (%s); using the torch references", exc)
+        return None
+
+
+def module() -> Any:
+    built = load()
+    if built is None:
+        raise RuntimeError("the CPU kernels are not available (no C++ compiler?)")
+    return built

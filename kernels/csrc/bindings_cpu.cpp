@@ -1,0 +1,11 @@
+// One Python module for every CPU kernel in this folder; each is defined by the torch reference
+// named beside its declaration in cpu_ops.h.
+#include "cpu_ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual add + RMSNorm, in place (CPU)");
+  m.def("rotary_embedding", &rotary_embedding, "NeoX-style rotary embedding, in place (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");
+}

@@ -1,0 +1,17 @@
+// The CPU kernels, float32. Each is defined by a torch reference in kernels/.
+#pragma once
+#include <torch/extension.h>
+
+// kernels/paged_attention.py: paged_decode_attention_ref
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+// kernels/rms_norm.py: rms_norm_ref(x, weight, eps)
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+// kernels/rms_norm.py: rms_norm_ref(x, weight, eps, residual), in place: residual <- x + residual,
+// x <- norm(residual)
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+// kernels/rotary.py: rotary_embedding_ref, in place on query and key (rows may be strided views)
+void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tensor key,
+                      torch::Tensor cos_sin_cache, int64_t head_size);
+// kernels/activation.py: silu_and_mul_ref
+torch::Tensor silu_and_mul(torch::Tensor x);

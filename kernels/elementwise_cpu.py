@@ -1,0 +1,29 @@
+"""RMSNorm, rotary embedding and SiLU-and-mul compiled for the CPU (csrc/elementwise_cpu.cpp),
+float32. Defined by `rms_norm_ref`, `rotary_embedding_ref` and `silu_and_mul_ref`: same inputs,
+same outputs; the residual form updates its inputs in place, as vLLM's does."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu_extension import module
+
+
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """As `rms_norm_ref`; with `residual`, writes `x + residual` into `residual` and the norm into
+    `x`, and returns those two tensors."""
+    if residual is None:
+        return module().rms_norm(x, weight, eps)
+    module().fused_add_rms_norm(x, residual, weight, eps)
+    return x, residual
+
+
+def rotary_embedding_cpu(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                         cos_sin_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    module().rotary_embedding(positions, query, key, cos_sin_cache, head_size)
+    return query, key
+
+
+def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
+    return module().silu_and_mul(x)
