@@ -32,6 +32,21 @@ def test_outputs_identical_with_and_without_prefix_caching(llama_ckpt):
     assert plain.stats()["prefix_cache_hit_tokens"] == 0
 
 
+def test_simultaneous_arrivals_compute_the_shared_prefix_once(llama_ckpt):
+    """32 requests sharing a 200-token prefix submitted together: 31 hit the 12 full blocks the
+    first one computes in the same batch, and every output equals the uncached engine's."""
+    prompts = [{"prompt_token_ids": p} for p in shared_prefix_prompts(32, seed=3)]
+    cached = LLM(str(llama_ckpt), num_kv_blocks=512, block_size=16)
+    plain = LLM(str(llama_ckpt), enable_prefix_caching=False, num_kv_blocks=512, block_size=16)
+    with_cache = cached.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in with_cache] == [o.outputs[0].token_ids for o in
+                                                            plain.generate(prompts, GREEDY)]
+    assert sorted(o.num_cached_tokens for o in with_cache) == [0] + [192] * 31
+    stats = cached.stats()
+    assert stats["prefix_cache_hit_tokens"] == 31 * 192
+    assert stats["prompt_tokens_computed"] == sum(len(p["prompt_token_ids"]) for p in prompts) - 31 * 192
+
+
 def test_second_request_computes_only_its_suffix(llama_ckpt):
     first, second = shared_prefix_prompts(2, prefix_len=200, seed=1)
     llm = LLM(str(llama_ckpt), num_kv_blocks=256, block_size=16)
