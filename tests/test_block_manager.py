@@ -130,6 +130,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert self.bm.blocks[block_id].block_hash == h
 
     @invariant()
+    def only_running_prompts_promise_uncached_blocks(self) -> None:
+        """A promise (a block a running prompt will compute, which others wait for) never
+        outlives its sequence or its block, so nobody waits for a block that is not coming."""
+        running = {s.seq_id: s for s in self.sched.running}
+        for h, owner in self.bm.promised.items():
+            assert owner in running, "a promise outlived its sequence"
+            assert h not in self.bm.cached, "a promise for a block that is already cached"
+            assert h not in self.bm.block_hashes(running[owner]), "a promise for a block it computed"
+
+    @invariant()
     def every_live_sequence_is_queued_running_or_waiting_to_fork(self) -> None:
         running = {id(s) for s in self.sched.running}
         waiting = {id(s) for s in self.sched.waiting}
