@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_testing import make_paged_kv, query_start_loc
 
-from kernels.cpu_attention import load, paged_decode_attention_cpu
+from kernels.cpu_attention import SHORT_EXTEND, load, paged_decode_attention_cpu, paged_prefill_attention_cpu
 from kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref
 from streamer.attention.cpu_backend import CpuBackend
 
@@ -72,6 +72,14 @@ PREFILL_CASES = [  # (heads, kv_heads, head_size, block_size, new tokens per seq
 ]
 
 
+EXTEND_CASES = [  # new tokens and context lengths per sequence: the batched short extends, long
+    # extends split at the cached context, plain prompts, and all of them in one step
+    (12, 4, 64, 16, [20, 9, 31, 1, 64], [212, 200, 231, 17, 64 + 130]),
+    (8, 8, 64, 32, [300, 1200], [700, 1500]),
+    (6, 2, 80, 16, [150, 3, SHORT_EXTEND + 1, 40], [150, 90, 400, 41]),
+]
+
+
 def _prefill_case(case: tuple, seed: int) -> tuple:
     heads, kv_heads, head_size, block_size, q_lens, seq_lens = case
     gen = torch.Generator().manual_seed(seed)
@@ -106,7 +114,7 @@ def test_prefill_reference_is_causal_attention_over_the_cache(case):
     assert ((ref - dense).norm() / dense.norm()).item() < 1e-5  # float32, different summation order
 
 
-@pytest.mark.parametrize("case", PREFILL_CASES)
+@pytest.mark.parametrize("case", PREFILL_CASES + EXTEND_CASES)
 def test_prefill_runs_the_fused_cpu_kernel(case):
     """The CPU backend's prefill must reach `_scaled_dot_product_flash_attention_for_cpu`: the
     math fallback (3-D inputs did that) costs 4-5x at long prompts."""
@@ -118,3 +126,25 @@ def test_prefill_runs_the_fused_cpu_kernel(case):
     names = {e.name for e in prof.events()}
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in names, sorted(n for n in names if "attention" in n)
     assert "aten::_scaled_dot_product_attention_math" not in names
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES + EXTEND_CASES)
+def test_cpu_prefill_matches_reference(case):
+    """Relative error 1e-5 in float32: the fused kernel sums in another order, and a split extend
+    merges two softmax parts through their log-sum-exp (a few float32 roundings more)."""
+    (key_cache, value_cache), tables, starts, seq_lens, query = _prefill_case(case, seed=sum(case[4]))
+    scale = case[2] ** -0.5
+    ref = paged_prefill_attention_ref(query, key_cache, value_cache, tables, starts, seq_lens, scale)
+    out = paged_prefill_attention_cpu(query, key_cache, value_cache, tables, starts, seq_lens, scale)
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_cpu_prefill_works_on_a_slice_of_the_batch():
+    """The backend passes the prefill rows after the decodes: offsets relative to their first."""
+    case = EXTEND_CASES[0]
+    (key_cache, value_cache), tables, starts, seq_lens, query = _prefill_case(case, seed=5)
+    scale = case[2] ** -0.5
+    shifted = starts + 7  # as if 7 decode rows came first
+    ref = paged_prefill_attention_ref(query, key_cache, value_cache, tables, starts, seq_lens, scale)
+    out = paged_prefill_attention_cpu(query, key_cache, value_cache, tables, shifted, seq_lens, scale)
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-5

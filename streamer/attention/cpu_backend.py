@@ -1,5 +1,6 @@
 """The CPU backend: decode attention and the per-token ops compiled for the CPU (C++ in
-kernels/csrc/), the torch references for the rest. Decode attention reads K/V in place instead of
+kernels/csrc/), prefill attention arranged for PyTorch's fused CPU kernel (kernels/cpu_attention.py),
+the torch references for the rest. Decode attention reads K/V in place instead of
 gathering a dense copy first; RMSNorm, rotary and SiLU-and-mul are one pass each instead of 3-8
 ATen ops. Falls back to the references where the kernels cannot be built, and for 16-bit types
 (the references round where Hugging Face does; the kernels are float32)."""
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_attention import load, paged_decode_attention_cpu
+from kernels.cpu_attention import load, paged_decode_attention_cpu, paged_prefill_attention_cpu
 from kernels.elementwise_cpu import rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
 from streamer.attention.torch_backend import TorchBackend
 
@@ -28,6 +29,15 @@ class CpuBackend(TorchBackend):
         if not self.compiled:
             return super().decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, out)
         out.copy_(paged_decode_attention_cpu(query, key_cache, value_cache, block_tables, seq_lens, scale))
+
+    def prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                max_query_len: int, out: torch.Tensor) -> None:
+        if query.dtype != torch.float32 or query.device.type != "cpu":
+            return super().prefill(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+                                   max_query_len, out)
+        out.copy_(paged_prefill_attention_cpu(query, key_cache, value_cache, block_tables, query_start_loc,
+                                              seq_lens, scale))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
