@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_extension import load, module
-from kernels.paged_attention import gather_kv
+from kernels.paged_attention import gather_kv, paged_prefill_attention_ref
 
 __all__ = ["load", "paged_decode_attention_cpu", "paged_prefill_attention_cpu"]
 
@@ -36,9 +36,12 @@ def paged_prefill_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, va
     a dense mask: a long extend (a prompt's later chunk) is split into attention over the cached
     context and causal attention over its own tokens, merged by their log-sum-exp (no mask, both
     parts on the fused kernel); short extends (prompts that hit the prefix cache) of many
-    sequences run as one padded batch instead of one call each."""
+    sequences run as one padded batch instead of one call each where KV heads are grouped."""
     out = torch.empty_like(query)
     starts = [x - int(query_start_loc[0]) for x in query_start_loc.tolist()]
+    # Batching short extends measured 1.6x faster with grouped KV heads (15 vs 23 ms a layer for
+    # 32 x 8-24 tokens over 200) but 1.8x slower without (57 vs 31 ms): only GQA models batch.
+    batch_short = query.shape[1] != key_cache.shape[2]
     short = []
     for b, seq_len in enumerate(seq_lens.tolist()):
         q_start, q_end = starts[b], starts[b + 1]
@@ -46,7 +49,12 @@ def paged_prefill_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, va
         if q_len == 0:
             continue
         if q_len < seq_len and q_len <= SHORT_EXTEND:
-            short.append(b)
+            if batch_short:
+                short.append(b)
+            else:  # a masked call, as the reference (the split's two calls cost more here)
+                out[q_start:q_end] = paged_prefill_attention_ref(
+                    query[q_start:q_end], key_cache, value_cache, block_tables[b:b + 1],
+                    torch.tensor([0, q_len]), seq_lens[b:b + 1], scale)
             continue
         k = gather_kv(key_cache, block_tables[b:b + 1], seq_len).transpose(1, 2)  # [1, KVH, L, D]
         v = gather_kv(value_cache, block_tables[b:b + 1], seq_len).transpose(1, 2)
