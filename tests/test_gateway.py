@@ -13,6 +13,7 @@ import subprocess
 import urllib.error
 import urllib.request
 from dataclasses import replace
+from email.message import Message
 from pathlib import Path
 from typing import Any
 
@@ -78,16 +79,17 @@ def assert_contiguous(events: list[dict], start: int = 0) -> None:
     assert all(e["type"] == "token" for e in events[:-1])
 
 
-def _http_get(url: str, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+def _http_get(url: str, headers: dict[str, str]) -> tuple[int, Message, bytes]:
+    """Status, headers (names case-insensitive, as HTTP has them) and body."""
     req = urllib.request.Request(url, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, dict(resp.headers), resp.read()
+            return resp.status, resp.headers, resp.read()
     except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read()
+        return e.code, e.headers, e.read()
 
 
-async def http_get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+async def http_get(url: str, headers: dict[str, str] | None = None) -> tuple[int, Message, bytes]:
     """From a thread: the gateway under test runs on this event loop."""
     return await asyncio.to_thread(_http_get, url, headers or {})
 

@@ -4,6 +4,7 @@ and a worker killed mid-generation resumed on another with nothing lost or sent 
 
 import os
 import signal
+import uuid
 
 import pytest
 import redis
@@ -84,6 +85,19 @@ async def test_requests_are_served_across_the_cluster(llama_ckpt, cluster, clust
     assert node_of(cluster, NAMES.requests) is not None
 
 
+def _ids_per_shard(names: Names, per_shard: int) -> list[str]:
+    """Fresh random ids, `per_shard` of them on each request stream (9 random ids alone miss a shard
+    in about 8% of runs)."""
+    counts = dict.fromkeys(names.request_streams, 0)
+    ids: list[str] = []
+    while len(ids) < per_shard * len(counts):
+        rid = uuid.uuid4().hex
+        if counts[names.stream_for(rid)] < per_shard:
+            counts[names.stream_for(rid)] += 1
+            ids.append(rid)
+    return ids
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("on_cluster", [True, False])
 async def test_requests_sharded_over_streams(llama_ckpt, cluster_url, redis_url, on_cluster):
@@ -93,7 +107,7 @@ async def test_requests_sharded_over_streams(llama_ckpt, cluster_url, redis_url,
     url = cluster_url if on_cluster else redis_url
     prompts = [f"sharded job {i}" for i in range(9)]
     async with running_worker(llama_ckpt, url, names=names), AsyncClient(url, names=names) as client:
-        ids = [await client.submit(p, params=GREEDY) for p in prompts]
+        ids = [await client.submit(p, params=GREEDY, id=rid) for p, rid in zip(prompts, _ids_per_shard(names, 3))]
         results = []
         for request_id in ids:
             results.append([e async for e in client.stream(request_id, timeout=60)])

@@ -192,7 +192,13 @@ export class StreamerClient {
       for (const frame of frames) ws.send(JSON.stringify(frame));
     };
     ws.onmessage = (message) => this._receive(message.data);
-    ws.onclose = (event) => {
+    // Node 20's WebSocket fires only `error` (no `close`) when the connection is refused, and then
+    // nothing keeps the process alive: a socket that never opened is treated as closed here.
+    ws.onerror = () => {
+      if (ws.readyState !== 1) lost({ code: 1006, reason: "connection failed" });
+    };
+    ws.onclose = (event) => lost(event);
+    const lost = (event) => {
       if (this._ws !== ws) return;
       this._ws = null;
       const unfinished = [...this._streams.values()].filter((s) => !s.finished);

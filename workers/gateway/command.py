@@ -83,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
     args.cluster = check_redis(args.redis)
     config = config_from_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # websockets logs every HTTP response (health probes, page loads) at INFO.
-    logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.getLogger().level))
+    # uvicorn logs its start, and every refused WebSocket handshake, at INFO.
+    logging.getLogger("uvicorn").setLevel(max(logging.WARNING, logging.getLogger().level))
 
     async def main() -> None:
         stop = asyncio.Event()

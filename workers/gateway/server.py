@@ -6,9 +6,10 @@ socket), the chat page and its files at `/`, `/livez`, `/readyz` (and `/healthz`
 state that matters: everything lives in Redis, so a browser that reloads, or reconnects to another
 gateway, resumes its answer from the events stream.
 
-`Gateway` wires the parts of this package: routes.py (HTTP, API keys, origins), session.py (one
-socket: frames, limits, send queue; it gets the hub, the metrics and the grace-period cancels passed
-in), hub.py (Redis: jobs, cancels, pub/sub relay with gap filling), metrics.py.
+`Gateway` wires the parts of this package into one Starlette app served by uvicorn: routes.py (HTTP,
+API keys, origins), openai_routes.py (the OpenAI-compatible API), session.py (one socket: frames,
+limits, send queue; it gets the hub, the metrics and the grace-period cancels passed in), hub.py
+(Redis: jobs, cancels, pub/sub relay with gap filling), metrics.py.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from websockets.asyncio.server import Server, ServerConnection
-from websockets.asyncio.server import serve as ws_serve
+import uvicorn
+from starlette.applications import Starlette
+from starlette.routing import Route
+from starlette.websockets import WebSocket
 
 from clients.errors import ProtocolError
 from clients.protocol import Limits, Names
@@ -29,8 +33,10 @@ from workers.errors import UserError
 from workers.gateway.config import GatewayConfig
 from workers.gateway.hub import Hub
 from workers.gateway.metrics import Metrics
+from workers.gateway.openai_routes import OpenAIRoutes
 from workers.gateway.routes import WS_PATH, Routes
 from workers.gateway.session import Session
+from workers.gateway.socket_conn import SocketConn
 from workers.redis_options import pool_url
 
 log = logging.getLogger("streamer.gateway")
@@ -58,12 +64,20 @@ class Gateway:
         self.sessions: set[Session] = set()
         self._pending_cancels: dict[str, asyncio.TimerHandle] = {}
         self.hub.on_resumed = self.keep  # a resume through any gateway stops our grace-period cancel
-        self.server: Server | None = None
+        # Requests streaming to HTTP clients now (request id -> count), for the grace cancel's check.
+        self.http_streams: dict[str, int] = {}
+        self.openai = OpenAIRoutes(self)
+        self.app = Starlette(routes=[*self.routes.routes(self._handle), *self.openai.routes(),
+                                     Route("/{path:path}", self.routes.static, methods=["GET", "HEAD"])])
+        self.server: _Server | None = None
+        self._serve_task: asyncio.Task[None] | None = None
+        self._sock: socket.socket | None = None
+        self.serving = False
 
     @property
     def port(self) -> int:
-        assert self.server is not None, "gateway not started"
-        return self.server.sockets[0].getsockname()[1]
+        assert self._sock is not None, "gateway not started"
+        return self._sock.getsockname()[1]
 
     @property
     def url(self) -> str:
@@ -85,14 +99,7 @@ class Gateway:
                         self.config.host or "*", self.config.port)
         await self.hub.start()
         try:
-            self.server = await ws_serve(
-                self._handle, self.config.host, self.config.port,
-                process_request=self.routes.process_request,
-                max_size=self.config.hard_frame_limit,
-                compression=None,  # token frames are tiny; deflate would cost CPU for nothing
-                close_timeout=self.config.close_timeout_s,
-                server_header="streamer-gateway",
-            )
+            await self._serve()
         except BaseException:
             await self.hub.close()
             raise
@@ -103,19 +110,46 @@ class Gateway:
     async def close(self) -> None:
         """Shut down without cancelling anything: clients reconnect (here or to another gateway) and
         resume, so a restart does not cost anyone their answer."""
+        self.serving = False
         for handle in self._pending_cancels.values():
             handle.cancel()
         self._pending_cancels.clear()
-        if self.server is not None:
-            self.server.close()  # closes open connections too (1001 going away)
-            await self.server.wait_closed()
+        # No new connections first (a client reconnecting now is refused, not half-served), then 1001
+        # going away to every socket (uvicorn's own shutdown would say 1012).
+        for listener in getattr(self.server, "servers", []):
+            listener.close()
+        await asyncio.gather(*(s.close(1001, "gateway shutting down") for s in list(self.sessions)),
+                             return_exceptions=True)
+        if self.server is not None and self._serve_task is not None:
+            self.server.should_exit = True
+            await asyncio.wait({self._serve_task}, timeout=self.config.close_timeout_s + 5)
         self._stopping.set()
         if self._watch_workers is not None:
             self._watch_workers.cancel()
             await asyncio.wait({self._watch_workers}, timeout=self.config.close_timeout_s)
         await self.hub.close()
 
-    async def _handle(self, ws: ServerConnection) -> None:
+    async def _serve(self) -> None:
+        """uvicorn on a socket bound here (port 0 picks a free one; a busy port raises OSError)."""
+        self._sock = _listen(self.config.host, self.config.port)
+        config = uvicorn.Config(
+            self.app, log_config=None, access_log=False, lifespan="off", ws="websockets-sansio",
+            ws_max_size=self.config.hard_frame_limit,
+            ws_per_message_deflate=False,  # token frames are tiny; deflate would cost CPU for nothing
+            server_header=False, headers=[("server", "streamer-gateway")],
+            timeout_graceful_shutdown=max(1, int(self.config.close_timeout_s)),
+            limit_concurrency=None, backlog=2048)
+        self.server = _Server(config)
+        self._serve_task = asyncio.create_task(self.server.serve(sockets=[self._sock]))
+        while not self.server.started:
+            if self._serve_task.done():  # failed to start: its exception, or a plain error
+                self._serve_task.result()
+                raise RuntimeError("the gateway's HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+        self.serving = True
+
+    async def _handle(self, starlette_ws: WebSocket) -> None:
+        ws = SocketConn(starlette_ws)
         session = Session(ws, self.config, self.hub, self.metrics, self.limits, self, self.prompt_limit)
         self.sessions.add(session)
         self.metrics.inc("connections_total")
@@ -130,7 +164,7 @@ class Gateway:
         """A socket closed with this request unfinished: free its KV blocks unless someone resumes it
         (here, or on another gateway since `since_ms`: that resume may even come before we noticed
         the close, so its pub/sub notice alone can miss our timer)."""
-        if self.server is None or not self.server.is_serving():
+        if not self.serving:
             return  # shutting down: see close()
         if self.config.cancel_grace_s <= 0:
             self._cancel_now(request_id, since_ms)
@@ -147,8 +181,8 @@ class Gateway:
 
     def _cancel_now(self, request_id: str, since_ms: float) -> None:
         self._pending_cancels.pop(request_id, None)
-        if any(request_id in s.requests for s in self.sessions):
-            return  # resumed on another socket meanwhile
+        if any(request_id in s.requests for s in self.sessions) or request_id in self.http_streams:
+            return  # resumed on another socket or HTTP stream meanwhile
         self.hub.spawn(self._grace_cancel(request_id, since_ms), f"cancel {request_id} after its socket closed")
 
     async def _grace_cancel(self, request_id: str, since_ms: float) -> None:
@@ -207,6 +241,28 @@ class Gateway:
         self.metrics.values["connections_open"] = len(self.sessions)
         self.metrics.values["requests_inflight"] = sum(len(s.requests) for s in self.sessions)
         return self.metrics.render()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn inside our event loop: the gateway's owner handles signals, not uvicorn."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+        sock.listen(2048)
+    except BaseException:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
 
 
 @contextlib.asynccontextmanager

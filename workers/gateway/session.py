@@ -2,7 +2,7 @@
 
 Frames are handled one at a time in arrival order (a `cancel` sent right after its `generate` is seen
 after the job was pushed). Nothing a client sends can end the connection except an oversized frame
-beyond the hard limit (websockets closes with 1009) or not reading fast enough (closed with
+beyond the hard limit (the server closes with 1009) or not reading fast enough (closed with
 CLOSE_SLOW_CONSUMER); every other mistake is answered with an `error` frame that carries the frame's
 request id whenever it can be read (also from a frame too large, too deep or broken inside a nested
 value: clients.protocol.readable_id), so a client waiting for that request is never left waiting.
@@ -21,15 +21,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
-
 from clients.backoff import TRANSIENT
 from clients.errors import ProtocolError
 from clients.protocol import ID_RE, VERSION, Limits, parse_job, readable_id
 from workers.gateway.config import GatewayConfig
 from workers.gateway.hub import Hub
 from workers.gateway.metrics import Metrics
+from workers.gateway.socket_conn import SocketClosed, SocketConn
 from workers.gateway.watch import FINAL_TYPES, Watch
 
 log = logging.getLogger("streamer.gateway")
@@ -86,7 +84,7 @@ class GraceCancels(Protocol):
 
 
 class Session:
-    def __init__(self, ws: ServerConnection, config: GatewayConfig, hub: Hub, metrics: Metrics,
+    def __init__(self, ws: SocketConn, config: GatewayConfig, hub: Hub, metrics: Metrics,
                  limits: Limits, grace: GraceCancels, prompt_limit: Callable[[], int] = lambda: 0) -> None:
         self.ws, self.cfg, self.hub, self.metrics = ws, config, hub, metrics
         self.limits, self.grace = limits, grace
@@ -100,10 +98,8 @@ class Session:
     async def run(self) -> None:
         writer = asyncio.create_task(self._writer())
         try:
-            async for frame in self.ws:
+            async for frame in self.ws.frames():
                 await self._handle(frame)
-        except ConnectionClosed:
-            pass
         finally:
             self.closing = True
             writer.cancel()
@@ -141,19 +137,20 @@ class Session:
                 continue
             text, n = self._queue.popleft()
             self._queued_bytes -= n
-            await self.ws.send(text)
+            try:
+                await self.ws.send(text)
+            except SocketClosed:
+                return  # the reader loop ends with the socket
 
     async def _close_slow(self) -> None:
         # The close frame queues behind what the kernel already holds; a reader that never drains it
         # is cut off after close_timeout.
-        try:
-            await asyncio.wait_for(self.ws.close(CLOSE_SLOW_CONSUMER, SLOW_CONSUMER_REASON),
-                                   timeout=self.cfg.close_timeout_s)
-        except (TimeoutError, ConnectionClosed):
-            pass
-        finally:
-            if self.ws.transport is not None and not self.ws.transport.is_closing():
-                self.ws.transport.abort()
+        await self.ws.close(CLOSE_SLOW_CONSUMER, SLOW_CONSUMER_REASON, self.cfg.close_timeout_s)
+
+    async def close(self, code: int, reason: str) -> None:
+        """The gateway shuts down (1001): clients reconnect, here or elsewhere, and resume."""
+        self.closing = True
+        await self.ws.close(code, reason, self.cfg.close_timeout_s)
 
     def error(self, request_id: str | None, code: str, message: str) -> None:
         self.metrics.errors[code] += 1
