@@ -76,6 +76,10 @@ class Names:
         """Marker set by clients on cancel, so a job cancelled before any worker read it is not run."""
         return self._of("cancelled", request_id)
 
+    def openai_stream(self, request_id: str) -> str:
+        """How the gateway formats an OpenAI-API request's stream (JSON), so any gateway can resume it."""
+        return self._of("openai", request_id)
+
     def gateway_resumed(self, request_id: str) -> str:
         """When a gateway last resumed the request (ms): other gateways' grace cancels check it."""
         return self._of("gateway:resumed", request_id)

@@ -298,12 +298,16 @@ def encode_job(job: dict[str, Any], encoding: str = "json") -> dict[str, bytes]:
 
 
 def token_event(request_id: str, seq: int, index: int, token_ids: list[int], text: str,
-                logprobs: list[dict[int, float]] | None = None) -> dict[str, Any]:
+                logprobs: list[dict[int, float]] | None = None,
+                logprob_texts: list[list[str]] | None = None) -> dict[str, Any]:
     event = {"v": VERSION, "id": request_id, "seq": seq, "type": "token", "index": index,
              "token_ids": token_ids, "text": text}
     if logprobs is not None:
         # Per token, [token id, log-prob] pairs: JSON object keys could not stay integers.
         event["logprobs"] = [[[int(t), float(lp)] for t, lp in step.items()] for step in logprobs]
+    if logprob_texts is not None:
+        # The text of each pair's token, decoded alone (what OpenAI-style APIs show as `token`).
+        event["logprob_texts"] = logprob_texts
     return event
 
 

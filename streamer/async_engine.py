@@ -135,6 +135,10 @@ class AsyncEngine:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        """Each token decoded alone (a piece of a multi-byte character shows as U+FFFD)."""
+        return [self.engine.tokenizer.decode([t]) for t in token_ids]
+
     async def render_chat(self, messages: list[dict[str, str]]) -> TokenizedPrompt:
         """The checkpoint's chat template applied, tokenized off the event loop and the engine thread."""
         await self.start()

@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "announces, no check while none does)")
     parser.add_argument("--max-connections", type=int, default=d.max_connections,
                         help="open WebSockets; more are refused with HTTP 503")
+    parser.add_argument("--max-queued-jobs", type=int, default=d.max_queued_jobs,
+                        help="OpenAI API requests get 429 + Retry-After while the request streams hold this "
+                             "many jobs (waiting or running; 0: no bound)")
     parser.add_argument("--send-queue-bytes", type=int, default=d.send_queue_bytes,
                         help="per-connection bound on unsent frames; a slower reader is closed (code 4008)")
     parser.add_argument("--cancel-grace", type=float, default=d.cancel_grace_s,
@@ -75,6 +78,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          allowed_origins=tuple(args.allowed_origin or ()),
                          max_frame_bytes=args.max_frame_bytes, max_inflight=args.max_inflight,
                          max_prompt_tokens=args.max_prompt_tokens, max_connections=args.max_connections,
+                         max_queued_jobs=args.max_queued_jobs,
                          send_queue_bytes=args.send_queue_bytes, cancel_grace_s=args.cancel_grace,
                          request_ttl_s=args.request_ttl, web_root=args.web_root)
 

@@ -32,6 +32,8 @@ class GatewayConfig:
     # in its heartbeat), no check while none does.
     max_prompt_tokens: int = 0
     max_connections: int = 10000  # open WebSockets; more are refused with HTTP 503
+    # OpenAI API requests are refused with 429 while the request streams hold this many entries (0: no bound).
+    max_queued_jobs: int = 10000
     send_queue_bytes: int = 4 << 20  # per connection, beyond what the socket buffers hold
     cancel_grace_s: float = 10.0  # a closed socket's requests are cancelled after this, unless resumed
     request_ttl_s: float = 3600.0  # lifetime of the gateway's id claims and cancel markers

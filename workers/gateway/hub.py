@@ -135,6 +135,19 @@ class Hub:
         await push_job(self.redis, self.names, self._submit, job["id"], field_name, payload)
         self.metrics.inc("requests_total")
 
+    async def backlog(self) -> int:
+        """Entries on the request streams: jobs no worker has read yet plus those being served."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for stream in self.names.request_streams:
+                pipe.xlen(stream)
+            return sum(await pipe.execute())
+
+    async def save_stream_meta(self, request_id: str, text: str) -> None:
+        await self.redis.set(self.names.openai_stream(request_id), text, px=self.ttl_ms)
+
+    async def stream_meta(self, request_id: str) -> bytes | None:
+        return await self.redis.get(self.names.openai_stream(request_id))
+
     async def known(self, request_id: str) -> bool:
         keys = (self._claim_key(request_id), self.names.events(request_id), self.names.job(request_id))
         return bool(await self.redis.exists(*keys))

@@ -1,10 +1,326 @@
+"""The OpenAI-compatible API on the gateway's port (docs/openai.md): `/v1/models`, `/v1/completions`,
+`/v1/chat/completions` (whole or as Server-Sent Events) and `/v1/streams/{id}` (resume).
+
+Requests become protocol v1 jobs on the same Redis path as `/ws` frames, so every worker serves every
+protocol. Every SSE event carries `id: <request id>:<seq>`, the position in the request's durable
+events stream: a client that reconnects with `Last-Event-ID` gets the rest, with no gap and no
+duplicate, from any gateway.
+"""
+
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from clients.backoff import TRANSIENT
+from clients.errors import ProtocolError
+from clients.protocol import ID_RE, VERSION
+from workers.gateway.admission import check_job
+from workers.gateway.openai_request import OpenAIError, OpenAIRequest, bad, parse_chat, parse_completion
+from workers.gateway.openai_response import Assembler, StreamMeta
+from workers.gateway.openai_stream import Position, sse_events
+from workers.gateway.routes import key_ok
+
+if TYPE_CHECKING:
+    from workers.gateway.server import Gateway
+
+log = logging.getLogger("streamer.gateway")
+_MODELS_TTL_S = 2.0  # how long the list of served models is reused
+
+
+def error_response(e: OpenAIError, request_id: str | None = None) -> JSONResponse:
+    headers = dict(e.headers)
+    if request_id:
+        headers["X-Request-Id"] = request_id
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+_STATUS = {"invalid_request": 400, "invalid_params": 400, "too_large": 413, "bad_encoding": 400,
+           "unsupported_version": 400, "duplicate_id": 409, "unknown_request": 404}
+
+
+def from_protocol(e: ProtocolError) -> OpenAIError:
+    return OpenAIError(_STATUS.get(e.code, 400), e.message, None, e.code)
 
 
 class OpenAIRoutes:
-    def __init__(self, gateway: Any) -> None:
-        self.gateway = gateway
-    def routes(self) -> list[Any]:
-        return []
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+        self._models: tuple[float, list[dict[str, str]]] = (0.0, [])
+
+    def routes(self) -> list[Route]:
+        return [Route("/v1/models", self._guard(self.models), methods=["GET"]),
+                Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
+                Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
+                Route("/v1/streams/{request_id}", self._guard(self.resume), methods=["GET"])]
+
+    def _guard(self, handler: Any) -> Any:
+        """API key first; every failure answered in OpenAI's error shape."""
+        async def endpoint(request: Request) -> Response:
+            if not key_ok(request, self.gw.config.api_keys):
+                return error_response(OpenAIError(401, "Incorrect or missing API key: send `Authorization: "
+                                                  "Bearer KEY`", None, "invalid_api_key",
+                                                  headers={"WWW-Authenticate": 'Bearer realm="streamer"'}))
+            try:
+                return await handler(request)
+            except OpenAIError as e:
+                return error_response(e, request.headers.get("x-request-id"))
+            except TRANSIENT as e:
+                self.gw.metrics.inc("redis_errors_total")
+                log.warning("OpenAI API: Redis unavailable: %r", e)
+                return error_response(OpenAIError(503, "the gateway cannot reach Redis right now; retry shortly",
+                                                  None, "redis_unavailable", "server_error", {"Retry-After": "1"}))
+        return endpoint
+
+    # --- models ------------------------------------------------------------------------------------
+
+    async def served(self) -> list[dict[str, str]]:
+        """Live workers' heartbeats, reused for a moment (a busy API must not read them per request)."""
+        when, workers = self._models
+        if time.monotonic() - when > _MODELS_TTL_S:
+            workers = await self.gw.hub.workers()
+            self._models = (time.monotonic(), workers)
+        return workers
+
+    async def models(self, request: Request) -> Response:
+        names: dict[str, dict[str, Any]] = {}
+        for w in await self.served():
+            name = w.get("served_model_name") or w.get("model") or "default"
+            names.setdefault(name, {"id": name, "object": "model", "created": int(self.gw.started_wall),
+                                    "owned_by": "streamer", "root": w.get("model") or name,
+                                    "max_model_len": int(w.get("max_model_len") or 0) or None})
+        return JSONResponse({"object": "list", "data": list(names.values())})
+
+    async def _check_model(self, model: str) -> None:
+        workers = await self.served()
+        known = {w.get(k) for w in workers for k in ("served_model_name", "model")} - {None, ""}
+        if workers and model not in known:  # no live worker: the job waits in the queue for one
+            raise OpenAIError(404, f"The model `{model}` does not exist. Served: {sorted(known)}", "model",
+                              "model_not_found")
+
+    # --- completions -------------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, parse_completion)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._serve(request, parse_chat)
+
+    async def _serve(self, request: Request, parse: Any) -> Response:
+        last_event_id = request.headers.get("last-event-id")
+        if last_event_id:  # a reconnecting SSE client: the same stream, not a new job
+            rid, _, after = last_event_id.rpartition(":")
+            return await self._resume(request, rid, after)
+        body = await self._json_body(request)
+        req = parse(body)
+        await self._check_model(req.model)
+        await self._check_backlog()
+        meta = StreamMeta(self._request_id(request), req.kind, req.model, int(time.time()), req.n, [],
+                          req.include_usage, req.top_logprobs)
+        jobs = self._jobs(req, meta)
+        stream = await self._submit(meta, jobs)
+        if req.stream:
+            return self._sse(request, meta, stream, Position.start(), fresh=True)
+        return await self._whole(request, meta, stream)
+
+    async def _json_body(self, request: Request) -> Any:
+        limit = self.gw.config.max_frame_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise OpenAIError(413, f"the request body is over {limit} bytes", None, "too_large")
+        data = bytearray()
+        async for part in request.stream():
+            data += part
+            if len(data) > limit:
+                raise OpenAIError(413, f"the request body is over {limit} bytes", None, "too_large")
+        try:
+            return json.loads(data, parse_constant=_no_constants)
+        except (ValueError, RecursionError) as e:
+            raise bad(f"the request body is not valid JSON: {e}"[:300], None, "bad_json") from e
+
+    async def _check_backlog(self) -> None:
+        limit = self.gw.config.max_queued_jobs
+        if limit > 0 and await self.gw.hub.backlog() >= limit:
+            raise OpenAIError(429, f"the queue is full ({limit} jobs waiting or running); retry later", None,
+                              "queue_full", "rate_limit_error", {"Retry-After": "2"})
+
+    def _request_id(self, request: Request) -> str:
+        given = request.headers.get("x-request-id")
+        if given is None:
+            return uuid.uuid4().hex
+        # Job ids of a request with several prompts add `.N`; leave room for it.
+        if not ID_RE.match(given) or len(given) > 120:
+            raise bad("X-Request-Id must be 1-120 characters from A-Z a-z 0-9 . _ : @ / + = -", "X-Request-Id")
+        return given
+
+    def _jobs(self, req: OpenAIRequest, meta: StreamMeta) -> list[dict[str, Any]]:
+        many = len(req.prompts) > 1
+        jobs = []
+        for p, prompt in enumerate(req.prompts):
+            job = {"v": VERSION, "id": f"{meta.request_id}.{p}" if many else meta.request_id, **prompt,
+                   "params": req.params}
+            if req.priority is not None:
+                job["priority"] = req.priority
+            try:
+                check_job(job, self.gw.limits, self.gw.prompt_limit())
+            except ProtocolError as e:
+                raise from_protocol(e) from e
+            jobs.append(job)
+        meta.jobs = [job["id"] for job in jobs]
+        return jobs
+
+    async def _submit(self, meta: StreamMeta, jobs: list[dict[str, Any]]) -> _JobStream:
+        hub = self.gw.hub
+        claimed: list[str] = []
+        stream = _JobStream(self.gw, meta)
+        try:
+            for job in jobs:
+                if not await hub.claim(job["id"]):
+                    raise OpenAIError(409, f"request id {job['id']!r} is already in use", "X-Request-Id",
+                                      "duplicate_id")
+                claimed.append(job["id"])
+            await hub.save_stream_meta(meta.request_id, meta.dumps())
+            await stream.watch(0, catch_up=False)  # subscribed before the jobs exist: no token is missed
+            for job in jobs:
+                await hub.push(job)
+        except BaseException:
+            stream.close(cancel=False)
+            for rid in claimed:
+                with contextlib.suppress(Exception):
+                    await hub.release(rid)
+            raise
+        return stream
+
+    # --- answers -----------------------------------------------------------------------------------
+
+    def _sse(self, request: Request, meta: StreamMeta, stream: _JobStream, after: Position, fresh: bool) -> Response:
+        async def body() -> AsyncIterator[str]:
+            try:
+                async for text in sse_events(stream.events(), Assembler(meta), meta, after, fresh):
+                    yield text
+            finally:  # finished, or the client went away (Starlette cancels the body on disconnect)
+                stream.close(cancel=True)
+
+        headers = {"X-Request-Id": meta.request_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+
+    async def _whole(self, request: Request, meta: StreamMeta, stream: _JobStream) -> Response:
+        assembler = Assembler(meta)
+
+        async def collect() -> None:
+            async for job, event in stream.events():
+                assembler.on_event(job, event)
+
+        try:
+            if not await _unless_disconnected(request, collect()):
+                return Response(status_code=499)  # nobody is listening; the jobs are cancelled below
+        finally:
+            stream.close(cancel=True)
+        if assembler.error is not None:
+            raise OpenAIError(_worker_status(assembler.error["code"]), assembler.error["message"], None,
+                              assembler.error["code"], assembler.error["type"])
+        return JSONResponse(assembler.body(), headers={"X-Request-Id": meta.request_id})
+
+    # --- resume ------------------------------------------------------------------------------------
+
+    async def resume(self, request: Request) -> Response:
+        return await self._resume(request, request.path_params["request_id"], request.query_params.get("after"))
+
+    async def _resume(self, request: Request, rid: str, after: str | None) -> Response:
+        position = Position.parse(after)
+        if not ID_RE.match(rid):
+            raise bad("not a request id of this server", "request_id")
+        text = await self.gw.hub.stream_meta(rid)
+        if text is None:
+            raise OpenAIError(404, f"no stream {rid!r} (never created, or expired)", "request_id", "unknown_request")
+        meta = StreamMeta.loads(text)
+        if len(meta.jobs) != 1:
+            raise bad("only a request with one prompt can be resumed", "request_id")
+        self.gw.keep(rid)  # stop the grace-period cancel here and, through Redis, on any other gateway
+        await self.gw.hub.announce_resume(rid)
+        self.gw.metrics.inc("resumes_total")
+        stream = _JobStream(self.gw, meta)
+        await stream.watch(0, catch_up=True)  # from seq 0: the assembler rebuilds the first run's state
+        return self._sse(request, meta, stream, position, fresh=False)
+
+
+class _JobStream:
+    """The events of one OpenAI request's jobs, as (job index, event) in each job's seq order."""
+
+    def __init__(self, gw: Gateway, meta: StreamMeta) -> None:
+        self.gw, self.meta = gw, meta
+        self.queue: asyncio.Queue[tuple[int, dict[str, Any]]] = asyncio.Queue()
+        self.watches: dict[str, Any] = {}
+        self.finished: set[str] = set()
+
+    async def watch(self, next_seq: int, *, catch_up: bool) -> None:
+        for job, rid in enumerate(self.meta.jobs):
+            def on_event(event: dict[str, Any], _text: str, job: int = job, rid: str = rid) -> None:
+                if event.get("type") in ("done", "error"):
+                    self.finished.add(rid)
+                self.queue.put_nowait((job, event))
+
+            self.gw.http_streams[rid] = self.gw.http_streams.get(rid, 0) + 1
+            self.watches[rid] = await self.gw.hub.watch(rid, next_seq, on_event)
+            if catch_up:
+                await self.gw.hub.fill(self.watches[rid])
+
+    async def events(self) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        remaining = len(self.meta.jobs)
+        while remaining:
+            job, event = await self.queue.get()
+            if event.get("type") != "token":
+                remaining -= 1
+            yield job, event
+
+    def close(self, *, cancel: bool) -> None:
+        """Stop relaying; a job left unfinished is cancelled after the grace period unless resumed."""
+        for rid, w in self.watches.items():
+            self.gw.hub.unwatch(w)
+            count = self.gw.http_streams.get(rid, 1) - 1
+            if count > 0:
+                self.gw.http_streams[rid] = count
+            else:
+                self.gw.http_streams.pop(rid, None)
+            if cancel and rid not in self.finished:
+                self.gw.cancel_later(rid, w.started_ms)
+        self.watches.clear()
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _worker_status(code: str) -> int:
+    if code in ("internal", "crashed_worker", "too_many_deliveries", "damaged_events"):
+        return 500
+    return 504 if code == "expired" else 400
+
+
+async def _unless_disconnected(request: Request, work: Any) -> bool:
+    """Run `work` unless the client disconnects first (False then)."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            task.result()  # its exception, if it failed
+            return True
+        return False
+    finally:
+        for t in (task, watcher):
+            t.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)

@@ -56,6 +56,7 @@ class Gateway:
                              self.render_metrics, lambda: self.metrics.inc("connections_refused_total"),
                              lambda: len(self.sessions) < config.max_connections, live=self.live)
         self.started = time.monotonic()
+        self.started_wall = time.time()
         # The longest context a live worker announced in its heartbeat (0: none did); refreshed by
         # every readiness check and by a background loop.
         self.workers_max_model_len = 0

@@ -23,7 +23,8 @@ from typing import Any, Protocol
 
 from clients.backoff import TRANSIENT
 from clients.errors import ProtocolError
-from clients.protocol import ID_RE, VERSION, Limits, parse_job, readable_id
+from clients.protocol import ID_RE, VERSION, Limits, readable_id
+from workers.gateway.admission import check_job
 from workers.gateway.config import GatewayConfig
 from workers.gateway.hub import Hub
 from workers.gateway.metrics import Metrics
@@ -206,12 +207,7 @@ class Session:
             fields["id"] = uuid.uuid4().hex
         job = {"v": VERSION, **fields}
         try:
-            # The worker's own checks (schema, nesting, Unicode), so that nothing it could only
-            # dead-letter without an answer is ever pushed.
-            parsed = parse_job(job, "json", self.limits)
-            rid = parsed.id
-            self._check_prompt(parsed.prompt_token_ids, rid)
-            self._check_encoded(job, rid)
+            rid = check_job(job, self.limits, self.prompt_limit()).id
         except ProtocolError as e:
             if picked:  # an id the client never saw names nothing for it
                 e.request_id = None
@@ -229,24 +225,6 @@ class Session:
             with contextlib.suppress(Exception):  # so that a retry with the same id is not a duplicate
                 await self.hub.release(rid)
             raise
-
-    def _check_prompt(self, token_ids: list[int] | None, rid: str) -> None:
-        limit = self.prompt_limit()
-        if token_ids is not None and limit and len(token_ids) > limit:
-            raise ProtocolError("invalid_request", f"`prompt_token_ids` holds {len(token_ids)} tokens; the "
-                                f"workers take at most {limit}", rid)
-
-    def _check_encoded(self, job: dict[str, Any], rid: str) -> None:
-        """The job as the worker will read it: standard JSON, within the payload limit."""
-        try:
-            size = len(json.dumps(job, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode())
-        except UnicodeEncodeError as e:  # parse_job refuses lone surrogates first; kept as a last guard
-            raise ProtocolError("invalid_request", "every string must be valid Unicode", rid) from e
-        except ValueError as e:  # a float out of JSON's range (1e999 decodes as infinity)
-            raise ProtocolError("invalid_params", f"numbers must be finite: {e}", rid) from e
-        if size > self.limits.max_payload_bytes:
-            raise ProtocolError("too_large", f"the job is {size} bytes as JSON; the limit is "
-                                f"{self.limits.max_payload_bytes}", rid)
 
     async def _resume(self, obj: dict[str, Any]) -> None:
         rid = _request_id(obj)

@@ -13,6 +13,7 @@ import logging
 import signal
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -103,6 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--consumer-idle", type=float, default=0.0,
                    help="seconds after which a consumer holding no job and not reading (a crashed "
                         "worker) is removed from the group (0: 20 x --claim-idle)")
+    w.add_argument("--served-model-name", default=None,
+                   help="the model's name in the OpenAI API (`model`, /v1/models); default: the checkpoint "
+                        "directory's name")
     w.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
 
 
@@ -112,6 +116,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
                         limits=Limits(max_payload_bytes=args.max_payload_bytes), consumer=args.consumer,
                         events_ttl_s=args.events_ttl, claim_idle_s=args.claim_idle,
                         max_deliveries=args.max_deliveries, grace_s=args.grace, model_name=args.model,
+                        served_model_name=args.served_model_name or Path(args.model).name,
                         dead_payload_bytes=args.dead_payload_bytes, dead_max_age_s=args.dead_max_age,
                         dead_max_len=args.dead_max_len, consumer_idle_s=args.consumer_idle)
 

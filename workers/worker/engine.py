@@ -29,3 +29,7 @@ class Engine(Protocol):
         """The checkpoint's chat template applied and tokenized (ValueError when it has none, or when
         the result is too long for the model)."""
         ...
+
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        """Each token decoded alone (for the text beside a log-prob)."""
+        ...

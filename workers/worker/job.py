@@ -184,8 +184,10 @@ class JobRunner:
             events = []
             for c in out.outputs:
                 if c.token_ids:
+                    texts = None if c.logprobs is None else [self.engine.token_texts(list(step))
+                                                             for step in c.logprobs]
                     events.append(token_event(job.id, run.next_seq + len(events), c.index,
-                                              list(c.token_ids), c.text, c.logprobs))
+                                              list(c.token_ids), c.text, c.logprobs, texts))
                     emitted[c.index] = emitted.get(c.index, 0) + len(c.token_ids)
                 if c.finish_reason is not None:
                     reasons[c.index] = c.finish_reason

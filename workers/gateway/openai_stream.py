@@ -1,0 +1,71 @@
+"""Server-Sent Events framing of an OpenAI stream, with positions a client can resume from.
+
+Each worker event makes one or more chunks (a `done` makes one per sample, plus the usage chunk at the
+end). The last chunk of event `seq` has the SSE id `<request id>:<seq>`; the ones before it
+`<request id>:<seq>.<k>` (chunk k of that event). A chat stream's opening role chunks belong to event
+-1. `Last-Event-ID` (or `?after=`) names the last chunk the client has: everything after it follows.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from workers.gateway.openai_request import bad
+from workers.gateway.openai_response import Assembler, StreamMeta
+
+_WHOLE = 1 << 30  # "every chunk of this event"
+
+
+@dataclass(frozen=True, order=True)
+class Position:
+    seq: int
+    chunk: int
+
+    @classmethod
+    def start(cls) -> Position:
+        return cls(-2, _WHOLE)
+
+    @classmethod
+    def parse(cls, text: str | None) -> Position:
+        """"S" (all of event S received) or "S.k" (chunks 0..k of event S); None: from the start."""
+        if text is None or text == "":
+            return cls.start()
+        seq, _, chunk = text.partition(".")
+        try:
+            position = cls(int(seq), int(chunk) if chunk else _WHOLE)
+        except ValueError as e:
+            raise bad(f"not a stream position: {text[:40]!r} (expected SEQ or SEQ.K)", "after") from e
+        if position.seq < -1 or position.chunk < 0:
+            raise bad(f"not a stream position: {text[:40]!r}", "after")
+        return position
+
+
+def _frame(request_id: str, seq: int, k: int, count: int, chunk: dict[str, Any]) -> str:
+    sse_id = f"{request_id}:{seq}" if k == count - 1 else f"{request_id}:{seq}.{k}"
+    return f"id: {sse_id}\ndata: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _framed(request_id: str, seq: int, chunks: list[dict[str, Any]], after: Position) -> list[str]:
+    count = len(chunks)
+    return [_frame(request_id, seq, k, count, c) for k, c in enumerate(chunks)
+            if Position(seq, k if k < count - 1 else _WHOLE) > after]
+
+
+async def sse_events(events: AsyncIterator[tuple[int, dict[str, Any]]], assembler: Assembler, meta: StreamMeta,
+                     after: Position, fresh: bool) -> AsyncIterator[str]:
+    """SSE text for the chunks after `after`, then `data: [DONE]`."""
+    if fresh:
+        yield ": streamer\n\n"  # the response starts at once, before the first token (a comment line)
+    for text in _framed(meta.request_id, -1, assembler.start_chunks(), after):
+        yield text
+    async for job, event in events:
+        seq = int(event.get("seq", 0))
+        sse_rid = meta.jobs[job] if len(meta.jobs) > 1 else meta.request_id
+        for text in _framed(sse_rid, seq, assembler.on_event(job, event), after):
+            yield text
+        if assembler.error is not None:
+            break
+    yield "data: [DONE]\n\n"
