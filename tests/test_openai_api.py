@@ -164,12 +164,11 @@ async def test_bad_requests_get_openai_errors_and_push_nothing(llama_ckpt: Path,
             error = r.json()["error"]
             assert set(error) == {"message", "type", "param", "code"} and error["message"], error
             assert error["param"] == param, (body, error)
+        user = [{"role": "user", "content": "x"}]
         chat_cases = [({"model": model, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
                       ({"model": model, "messages": "hi"}, "messages"),
-                      ({"model": model, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
-                       "top_logprobs"),
-                      ({"model": model, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-                       "tools")]
+                      ({"model": model, "messages": user, "top_logprobs": 2}, "top_logprobs"),
+                      ({"model": model, "messages": user, "tools": [{"type": "function"}]}, "tools")]
         for body, param in chat_cases:
             r = await http.post("/chat/completions", json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
