@@ -73,9 +73,13 @@ async def test_completions_whole_and_streamed_equal_the_engine(llama_ckpt: Path,
                 texts[c.index] += c.text
         assert [texts[0], texts[1]] == [text for _, text in want]
         assert usage is not None and usage.completion_tokens == 24
-        # The token ids as a prompt give the same answer as the text.
-        ids = (await client.completions.create(model=model, prompt=[1, 2, 3], max_tokens=4, temperature=0)).choices
-        assert len(ids) == 1 and ids[0].finish_reason in ("length", "stop")
+        # Token ids as the prompt: the engine's answer for those ids.
+        ids = [[5, 17, 42], [9, 8]]
+        by_ids = await client.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0,
+                                                 extra_body={"ignore_eos": True})
+        want_ids = offline_completions(llama_ckpt, [{"prompt_token_ids": p} for p in ids],
+                                       SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        assert [c.text for c in by_ids.choices] == [text for _, text in want_ids]
 
 
 @pytest.mark.anyio
@@ -143,6 +147,7 @@ async def test_bad_requests_get_openai_errors_and_push_nothing(llama_ckpt: Path,
             running_gateway(config(redis_url, api_keys=("k1",), max_frame_bytes=4096)) as gw, \
             httpx.AsyncClient(base_url=gw.url + "v1", headers={"Authorization": "Bearer k1"}) as http:
         before = await backlog(redis_url)
+        pushed = gw.metrics.values["requests_total"]
         model = str(llama_ckpt)
         cases: list[tuple[Any, int, str | None]] = [
             (b"{not json", 400, None),
@@ -181,7 +186,7 @@ async def test_bad_requests_get_openai_errors_and_push_nothing(llama_ckpt: Path,
                 await right.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
             models = await right.models.list()
         assert [m.id for m in models.data] == [model]
-        assert await backlog(redis_url) == before  # nothing reached Redis
+        assert await backlog(redis_url) == before and gw.metrics.values["requests_total"] == pushed  # none pushed
 
 
 @pytest.mark.anyio
@@ -240,6 +245,14 @@ async def test_last_event_id_resumes_the_exact_rest(llama_ckpt: Path, redis_url:
     ids = [i for i, _ in first + rest[:-1]]
     assert len(ids) == len(set(ids))  # no chunk twice
     assert chunks[-1]["usage"]["completion_tokens"] == 40 and chunks[-1]["choices"] == []
+    # The final event makes two chunks (finish, usage): after the first of them only the usage follows.
+    finish_id, usage_id = ids[-2], ids[-1]
+    assert finish_id == usage_id + ".0"
+    async with running_gateway(config(redis_url)) as gw, httpx.AsyncClient(base_url=gw.url + "v1") as http:
+        tail = sse_lines((await http.get("/streams/resume-me", headers={"Last-Event-ID": finish_id})).text)
+        assert tail == [(usage_id, rest[-2][1]), (None, "[DONE]")]
+        gone = await http.get("/streams/never-made")
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "unknown_request"
 
 
 @pytest.mark.anyio

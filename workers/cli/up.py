@@ -224,6 +224,7 @@ def _print_banner(setup: Setup, phases: Phases) -> None:
     print(f"\nstreamer is up in {phases.summary()}\n"
           f"  chat page:  http://{host}:{port}/\n"
           f"  WebSocket:  ws://{host}:{port}/ws\n"
+          f"  OpenAI API: http://{host}:{port}/v1\n"
           f"  Redis:      {redis_url}\n"
           f"  model:      {setup.model} on {setup.device}\n"
           f"  try:        STREAMER_REDIS={redis_url} streamer generate --chat "

@@ -145,6 +145,9 @@ class Hub:
     async def save_stream_meta(self, request_id: str, text: str) -> None:
         await self.redis.set(self.names.openai_stream(request_id), text, px=self.ttl_ms)
 
+    async def drop_stream_meta(self, request_id: str) -> None:
+        await self.redis.delete(self.names.openai_stream(request_id))
+
     async def stream_meta(self, request_id: str) -> bytes | None:
         return await self.redis.get(self.names.openai_stream(request_id))
 

@@ -148,8 +148,9 @@ class Assembler:
         for (text, _), _top in tokens:
             offsets.append(at)
             at += len(text)
+        # OpenAI's completions list the sampled token among the alternatives even outside the top k.
         part = {"tokens": [c[0] for c, _ in tokens], "token_logprobs": [c[1] for c, _ in tokens],
-                "top_logprobs": [dict(top) for _, top in tokens], "text_offset": offsets}
+                "top_logprobs": [dict([*top, chosen]) for chosen, top in tokens], "text_offset": offsets}
         choice.logprobs.append(part)
         return part
 

@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -24,18 +24,39 @@ from starlette.routing import Route
 
 from clients.backoff import TRANSIENT
 from clients.errors import ProtocolError
-from clients.protocol import ID_RE, VERSION
+from clients.protocol import ID_RE, VERSION, Limits
 from workers.gateway.admission import check_job
+from workers.gateway.config import GatewayConfig
+from workers.gateway.hub import Hub
+from workers.gateway.metrics import Metrics
 from workers.gateway.openai_request import OpenAIError, OpenAIRequest, bad, parse_chat, parse_completion
 from workers.gateway.openai_response import Assembler, StreamMeta
 from workers.gateway.openai_stream import Position, sse_events
 from workers.gateway.routes import key_ok
 
-if TYPE_CHECKING:
-    from workers.gateway.server import Gateway
-
 log = logging.getLogger("streamer.gateway")
 _MODELS_TTL_S = 2.0  # how long the list of served models is reused
+
+
+class Gateway(Protocol):
+    """What the API needs of the gateway that serves it (server.py's `Gateway`)."""
+
+    config: GatewayConfig
+    hub: Hub
+    metrics: Metrics
+    limits: Limits
+    started_wall: float
+    http_streams: dict[str, int]  # request id -> HTTP streams relaying it now
+
+    def prompt_limit(self) -> int: ...
+
+    def keep(self, request_id: str) -> None:
+        """Resumed: no grace-period cancel for it."""
+        ...
+
+    def cancel_later(self, request_id: str, since_ms: float) -> None:
+        """Its client went away: cancel it after the grace period unless someone resumes it."""
+        ...
 
 
 def error_response(e: OpenAIError, request_id: str | None = None) -> JSONResponse:
@@ -62,7 +83,7 @@ class OpenAIRoutes:
         return [Route("/v1/models", self._guard(self.models), methods=["GET"]),
                 Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
                 Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
-                Route("/v1/streams/{request_id}", self._guard(self.resume), methods=["GET"])]
+                Route("/v1/streams/{request_id:path}", self._guard(self.resume), methods=["GET"])]
 
     def _guard(self, handler: Any) -> Any:
         """API key first; every failure answered in OpenAI's error shape."""
@@ -182,6 +203,7 @@ class OpenAIRoutes:
     async def _submit(self, meta: StreamMeta, jobs: list[dict[str, Any]]) -> _JobStream:
         hub = self.gw.hub
         claimed: list[str] = []
+        pushed: list[str] = []
         stream = _JobStream(self.gw, meta)
         try:
             for job in jobs:
@@ -193,11 +215,14 @@ class OpenAIRoutes:
             await stream.watch(0, catch_up=False)  # subscribed before the jobs exist: no token is missed
             for job in jobs:
                 await hub.push(job)
+                pushed.append(job["id"])
         except BaseException:
             stream.close(cancel=False)
+            with contextlib.suppress(Exception):
+                await hub.drop_stream_meta(meta.request_id)
             for rid in claimed:
-                with contextlib.suppress(Exception):
-                    await hub.release(rid)
+                with contextlib.suppress(Exception):  # a pushed one runs for nobody: cancel it
+                    await (hub.cancel(rid) if rid in pushed else hub.release(rid))
             raise
         return stream
 
@@ -234,7 +259,11 @@ class OpenAIRoutes:
     # --- resume ------------------------------------------------------------------------------------
 
     async def resume(self, request: Request) -> Response:
-        return await self._resume(request, request.path_params["request_id"], request.query_params.get("after"))
+        after = request.query_params.get("after")
+        last_event_id = request.headers.get("last-event-id")
+        if last_event_id:  # an EventSource reconnecting to this URL: its header is the newer position
+            after = last_event_id.rpartition(":")[2]
+        return await self._resume(request, request.path_params["request_id"], after)
 
     async def _resume(self, request: Request, rid: str, after: str | None) -> Response:
         position = Position.parse(after)
@@ -246,11 +275,17 @@ class OpenAIRoutes:
         meta = StreamMeta.loads(text)
         if len(meta.jobs) != 1:
             raise bad("only a request with one prompt can be resumed", "request_id")
+        if not await self.gw.hub.known(rid):  # its events expired (or its job was never pushed)
+            raise OpenAIError(404, f"no stream {rid!r} (expired)", "request_id", "unknown_request")
         self.gw.keep(rid)  # stop the grace-period cancel here and, through Redis, on any other gateway
         await self.gw.hub.announce_resume(rid)
         self.gw.metrics.inc("resumes_total")
         stream = _JobStream(self.gw, meta)
-        await stream.watch(0, catch_up=True)  # from seq 0: the assembler rebuilds the first run's state
+        try:
+            await stream.watch(0, catch_up=True)  # from seq 0: the assembler rebuilds the first run's state
+        except BaseException:
+            stream.close(cancel=True)
+            raise
         return self._sse(request, meta, stream, position, fresh=False)
 
 
@@ -270,8 +305,8 @@ class _JobStream:
                     self.finished.add(rid)
                 self.queue.put_nowait((job, event))
 
-            self.gw.http_streams[rid] = self.gw.http_streams.get(rid, 0) + 1
             self.watches[rid] = await self.gw.hub.watch(rid, next_seq, on_event)
+            self.gw.http_streams[rid] = self.gw.http_streams.get(rid, 0) + 1
             if catch_up:
                 await self.gw.hub.fill(self.watches[rid])
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import time
@@ -36,7 +37,7 @@ from workers.gateway.metrics import Metrics
 from workers.gateway.openai_routes import OpenAIRoutes
 from workers.gateway.routes import WS_PATH, Routes
 from workers.gateway.session import Session
-from workers.gateway.socket_conn import SocketConn
+from workers.gateway.socket_conn import SocketConn, with_transport
 from workers.redis_options import pool_url
 
 log = logging.getLogger("streamer.gateway")
@@ -134,7 +135,8 @@ class Gateway:
         """uvicorn on a socket bound here (port 0 picks a free one; a busy port raises OSError)."""
         self._sock = _listen(self.config.host, self.config.port)
         config = uvicorn.Config(
-            self.app, log_config=None, access_log=False, lifespan="off", ws="websockets-sansio",
+            functools.partial(with_transport, self.app), interface="asgi3", log_config=None, access_log=False,
+            lifespan="off", ws="websockets-sansio",
             ws_max_size=self.config.hard_frame_limit,
             ws_per_message_deflate=False,  # token frames are tiny; deflate would cost CPU for nothing
             server_header=False, headers=[("server", "streamer-gateway")],

@@ -2,8 +2,7 @@
 
 The socket is Starlette's (ASGI, served by uvicorn). ASGI has no way to drop a connection without a
 closing handshake, which is what a reader that never drains its socket needs after the close frame
-timed out: `abort` reaches the server's transport where uvicorn exposes it, and otherwise leaves the
-socket to uvicorn's own close timer.
+timed out: `abort` reaches the server's transport, which `with_transport` puts in the socket's scope.
 """
 
 from __future__ import annotations
@@ -58,8 +57,16 @@ class SocketConn:
             transport.abort()
 
 
+TRANSPORT_KEY = "streamer.transport"
+
+
 def _transport(ws: WebSocket) -> Any:
-    # Starlette keeps the server's `send` callable; for uvicorn that is a method of the protocol object
-    # that owns the transport.
-    owner = getattr(getattr(ws, "_send", None), "__self__", None)
-    return getattr(owner, "transport", None)
+    return ws.scope.get(TRANSPORT_KEY)
+
+
+async def with_transport(app: Any, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """ASGI wrapper: a WebSocket's scope gets the server's transport under TRANSPORT_KEY (uvicorn's
+    `send` is a method of the protocol object that owns it), so `SocketConn.abort` can reach it."""
+    if scope["type"] == "websocket":
+        scope[TRANSPORT_KEY] = getattr(getattr(send, "__self__", None), "transport", None)
+    await app(scope, receive, send)

@@ -1,0 +1,184 @@
+"""Load through the gateway: N concurrent streaming chat completions over the OpenAI API (the official
+`openai` async client, SSE) and the same N over `/ws`, in the same run, alternating.
+
+    python bench/openai_load.py [--concurrency 64] [--max-tokens 64] [--repeats 3] [--model DIR]
+
+Everything is real and on this machine: a private redis-server, one `streamer worker` (a tiny random
+Llama unless --model), one `streamer gateway`, and the clients in this process. Each round sends
+--concurrency chat requests at once (greedy, `ignore_eos`, the same messages on both paths) and reads
+every stream to its end. Reported per path (median over the repeats): time to the first content token
+(p50/p99, from the request being sent), inter-token latency (mean gap between a stream's token
+deliveries, p50/p99 over streams), output tokens/s over the round, and the gateway's CPU per relayed
+event (its user+system time during the round / the worker events it relayed), so the two protocols'
+cost in the gateway is compared on the same events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[0] = str(ROOT)  # bench/kernels.py must not shadow the `kernels` package
+
+import redis  # noqa: E402
+
+from bench.burst import _env, cpu_seconds, http_ok, percentile, wait_for  # noqa: E402
+from clients.protocol import Names  # noqa: E402
+from workers.heartbeats import live_workers  # noqa: E402
+from workers.redis_server import RedisServer, free_port  # noqa: E402
+
+MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "Write a short story about a lighthouse keeper."}]
+
+
+class Stream:
+    def __init__(self) -> None:
+        self.sent = time.perf_counter()
+        self.deliveries: list[float] = []  # when each token-carrying message arrived
+        self.tokens = 0
+
+    def got(self, tokens: int) -> None:
+        self.deliveries.append(time.perf_counter())
+        self.tokens += tokens
+
+    @property
+    def ttft(self) -> float:
+        return self.deliveries[0] - self.sent
+
+    @property
+    def itl(self) -> float | None:
+        gaps = [b - a for a, b in zip(self.deliveries, self.deliveries[1:])]
+        return statistics.fmean(gaps) if gaps else None
+
+
+async def openai_round(base_url: str, model: str, n: int, max_tokens: int) -> list[Stream]:
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600) as client:
+        async def one() -> Stream:
+            s = Stream()
+            chunks = await client.chat.completions.create(
+                model=model, messages=MESSAGES, max_tokens=max_tokens, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            async for chunk in chunks:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    s.got(1)  # one token event of the worker becomes one chunk
+                elif chunk.usage is not None:
+                    s.tokens = chunk.usage.completion_tokens
+            return s
+
+        return list(await asyncio.gather(*(one() for _ in range(n))))
+
+
+async def ws_round(ws_url: str, n: int, max_tokens: int) -> list[Stream]:
+    from websockets.asyncio.client import connect
+
+    params = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+    async def one() -> Stream:
+        async with connect(ws_url, max_size=None) as ws:
+            s = Stream()
+            await ws.send(json.dumps({"type": "generate", "id": uuid.uuid4().hex, "messages": MESSAGES,
+                                      "params": params}))
+            async for raw in ws:
+                frame = json.loads(raw)
+                if frame["type"] == "token":
+                    s.got(len(frame["token_ids"]))
+                elif frame["type"] in ("done", "error"):
+                    if frame["type"] == "error":
+                        raise RuntimeError(frame)
+                    return s
+        raise RuntimeError("socket closed before done")
+
+    return list(await asyncio.gather(*(one() for _ in range(n))))
+
+
+def summarize(streams: list[Stream], wall_s: float, gateway_cpu_s: float) -> dict[str, float]:
+    ttft = [s.ttft for s in streams]
+    itl = [x for s in streams if (x := s.itl) is not None]
+    events = sum(len(s.deliveries) + 1 for s in streams)  # token events + the final one
+    return {"ttft_p50_ms": percentile(ttft, 0.5) * 1e3, "ttft_p99_ms": percentile(ttft, 0.99) * 1e3,
+            "itl_p50_ms": percentile(itl, 0.5) * 1e3, "itl_p99_ms": percentile(itl, 0.99) * 1e3,
+            "tokens_per_s": sum(s.tokens for s in streams) / wall_s, "wall_s": wall_s,
+            "gateway_us_per_event": gateway_cpu_s / events * 1e6}
+
+
+def run_round(path: str, args: argparse.Namespace, port: int, model: str, gateway_pid: int) -> dict[str, float]:
+    before, start = cpu_seconds(gateway_pid), time.perf_counter()
+    if path == "openai":
+        streams = asyncio.run(openai_round(f"http://127.0.0.1:{port}/v1", model, args.concurrency, args.max_tokens))
+    else:
+        streams = asyncio.run(ws_round(f"ws://127.0.0.1:{port}/ws", args.concurrency, args.max_tokens))
+    return summarize(streams, time.perf_counter() - start, cpu_seconds(gateway_pid) - before)
+
+
+def start_servers(args: argparse.Namespace, redis_url: str, model: str, port: int) -> list[subprocess.Popen]:
+    worker = [sys.executable, "-m", "workers.cli", "worker", "--model", model, "--redis", redis_url,
+              "--device", args.device, "--max-num-seqs", str(max(args.concurrency, 8)), "--log-level", "WARNING"]
+    procs = [subprocess.Popen(worker, cwd=ROOT, env=_env(ROOT))]
+    client = redis.Redis.from_url(redis_url)
+    wait_for(lambda: bool(live_workers(client, Names())), "the worker", procs)
+    gateway = [sys.executable, "-m", "workers.cli", "gateway", "--port", str(port), "--redis", redis_url,
+               "--log-level", "WARNING"]
+    procs.append(subprocess.Popen(gateway, cwd=ROOT, env=_env(ROOT)))
+    wait_for(lambda: http_ok(f"http://127.0.0.1:{port}/readyz"), "the gateway", procs)
+    return procs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: a tiny random Llama)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", action="store_true", help="print the result as one JSON line too")
+    args = ap.parse_args()
+
+    results: dict[str, list[dict[str, float]]] = {"openai": [], "ws": []}
+    with tempfile.TemporaryDirectory() as tmp, RedisServer() as redis_server:
+        model = args.model
+        if model is None:
+            from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
+
+            model = str(build_checkpoint(Path(tmp) / "tiny", TinyModelSpec(arch="llama"), seed=1))
+        port = free_port()
+        procs = start_servers(args, redis_server.url, model, port)
+        try:
+            run_round("ws", args, port, model, procs[1].pid)  # warm-up: kernels, caches, connections
+            for _ in range(args.repeats):
+                for path in ("openai", "ws"):
+                    results[path].append(run_round(path, args, port, model, procs[1].pid))
+        finally:
+            for p in reversed(procs):
+                p.terminate()
+            for p in procs:
+                p.wait(20)
+    report(args, results)
+
+
+def report(args: argparse.Namespace, results: dict[str, list[dict[str, float]]]) -> None:
+    median = {path: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for path, runs in results.items()}
+    print(f"{args.concurrency} concurrent streaming chat requests, {args.max_tokens} tokens each, "
+          f"median of {args.repeats} rounds per path")
+    keys = ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tokens_per_s", "gateway_us_per_event"]
+    print(f"{'':24}{'OpenAI SSE':>12}{'/ws':>12}{'ratio':>8}")
+    for k in keys:
+        a, b = median["openai"][k], median["ws"][k]
+        print(f"{k:24}{a:12.1f}{b:12.1f}{a / b if b else float('nan'):8.2f}")
+    if args.json:
+        print(json.dumps(median))
+
+
+if __name__ == "__main__":
+    main()
