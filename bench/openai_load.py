@@ -25,7 +25,6 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # bench/kernels.py must not shadow the `kernels` package
@@ -37,6 +36,7 @@ from clients.protocol import Names  # noqa: E402
 from workers.heartbeats import live_workers  # noqa: E402
 from workers.redis_server import RedisServer, free_port  # noqa: E402
 
+PATHS = ("openai", "sse", "ws")  # the SDK, plain SSE over httpx, /ws
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "Write a short story about a lighthouse keeper."}]
 
@@ -80,6 +80,32 @@ async def openai_round(base_url: str, model: str, n: int, max_tokens: int) -> li
         return list(await asyncio.gather(*(one() for _ in range(n))))
 
 
+async def sse_round(base_url: str, model: str, n: int, max_tokens: int) -> list[Stream]:
+    """The same requests as `openai_round`, read as plain SSE with httpx: the server's cost without the
+    SDK's (pydantic models for every chunk) in the client."""
+    import httpx
+
+    body = {"model": model, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=base_url, timeout=600,
+                                 limits=httpx.Limits(max_connections=n + 8)) as http:
+        async def one() -> Stream:
+            s = Stream()
+            async with http.stream("POST", "/chat/completions", json=body) as resp:
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk["choices"] and chunk["choices"][0].get("delta", {}).get("content"):
+                        s.got(1)
+            return s
+
+        streams = list(await asyncio.gather(*(one() for _ in range(n))))
+    for s in streams:
+        s.tokens = len(s.deliveries)  # one token per event at this batch size; counted exactly by openai_round
+    return streams
+
+
 async def ws_round(ws_url: str, n: int, max_tokens: int) -> list[Stream]:
     from websockets.asyncio.client import connect
 
@@ -103,23 +129,27 @@ async def ws_round(ws_url: str, n: int, max_tokens: int) -> list[Stream]:
     return list(await asyncio.gather(*(one() for _ in range(n))))
 
 
-def summarize(streams: list[Stream], wall_s: float, gateway_cpu_s: float) -> dict[str, float]:
+def summarize(streams: list[Stream], wall_s: float, gateway_cpu_s: float, client_cpu_s: float) -> dict[str, float]:
     ttft = [s.ttft for s in streams]
     itl = [x for s in streams if (x := s.itl) is not None]
     events = sum(len(s.deliveries) + 1 for s in streams)  # token events + the final one
     return {"ttft_p50_ms": percentile(ttft, 0.5) * 1e3, "ttft_p99_ms": percentile(ttft, 0.99) * 1e3,
             "itl_p50_ms": percentile(itl, 0.5) * 1e3, "itl_p99_ms": percentile(itl, 0.99) * 1e3,
             "tokens_per_s": sum(s.tokens for s in streams) / wall_s, "wall_s": wall_s,
-            "gateway_us_per_event": gateway_cpu_s / events * 1e6}
+            "gateway_us_per_event": gateway_cpu_s / events * 1e6, "client_us_per_event": client_cpu_s / events * 1e6}
 
 
 def run_round(path: str, args: argparse.Namespace, port: int, model: str, gateway_pid: int) -> dict[str, float]:
-    before, start = cpu_seconds(gateway_pid), time.perf_counter()
+    before, start, client_before = cpu_seconds(gateway_pid), time.perf_counter(), time.process_time()
+    base = f"http://127.0.0.1:{port}/v1"
     if path == "openai":
-        streams = asyncio.run(openai_round(f"http://127.0.0.1:{port}/v1", model, args.concurrency, args.max_tokens))
+        streams = asyncio.run(openai_round(base, model, args.concurrency, args.max_tokens))
+    elif path == "sse":
+        streams = asyncio.run(sse_round(base, model, args.concurrency, args.max_tokens))
     else:
         streams = asyncio.run(ws_round(f"ws://127.0.0.1:{port}/ws", args.concurrency, args.max_tokens))
-    return summarize(streams, time.perf_counter() - start, cpu_seconds(gateway_pid) - before)
+    return summarize(streams, time.perf_counter() - start, cpu_seconds(gateway_pid) - before,
+                     time.process_time() - client_before)
 
 
 def start_servers(args: argparse.Namespace, redis_url: str, model: str, port: int) -> list[subprocess.Popen]:
@@ -142,10 +172,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model", default=None, help="checkpoint directory (default: a tiny random Llama)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--paths", default=None, help=f"comma-separated subset of {','.join(PATHS)} (e.g. to profile one)")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON line too")
     args = ap.parse_args()
 
-    results: dict[str, list[dict[str, float]]] = {"openai": [], "ws": []}
+    results: dict[str, list[dict[str, float]]] = {path: [] for path in PATHS}
+    paths = PATHS if args.paths is None else tuple(args.paths.split(","))
     with tempfile.TemporaryDirectory() as tmp, RedisServer() as redis_server:
         model = args.model
         if model is None:
@@ -157,7 +189,7 @@ def main() -> None:
         try:
             run_round("ws", args, port, model, procs[1].pid)  # warm-up: kernels, caches, connections
             for _ in range(args.repeats):
-                for path in ("openai", "ws"):
+                for path in paths:
                     results[path].append(run_round(path, args, port, model, procs[1].pid))
         finally:
             for p in reversed(procs):
@@ -167,15 +199,23 @@ def main() -> None:
     report(args, results)
 
 
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
 def report(args: argparse.Namespace, results: dict[str, list[dict[str, float]]]) -> None:
-    median = {path: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for path, runs in results.items()}
+    nan = dict.fromkeys(["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tokens_per_s",
+                         "gateway_us_per_event", "client_us_per_event"], float("nan"))
+    median = {path: {k: statistics.median(r[k] for r in runs) for k in runs[0]} if runs else nan
+              for path, runs in results.items()}
     print(f"{args.concurrency} concurrent streaming chat requests, {args.max_tokens} tokens each, "
           f"median of {args.repeats} rounds per path")
-    keys = ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tokens_per_s", "gateway_us_per_event"]
-    print(f"{'':24}{'OpenAI SSE':>12}{'/ws':>12}{'ratio':>8}")
+    keys = ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tokens_per_s", "gateway_us_per_event",
+            "client_us_per_event"]
+    print(f"{'':24}{'openai SDK':>12}{'SSE/httpx':>12}{'/ws':>12}{'SDK/ws':>8}{'SSE/ws':>8}")
     for k in keys:
-        a, b = median["openai"][k], median["ws"][k]
-        print(f"{k:24}{a:12.1f}{b:12.1f}{a / b if b else float('nan'):8.2f}")
+        a, b, c = median["openai"][k], median["sse"][k], median["ws"][k]
+        print(f"{k:24}{a:12.1f}{b:12.1f}{c:12.1f}{_ratio(a, c):8.2f}{_ratio(b, c):8.2f}")
     if args.json:
         print(json.dumps(median))
 
