@@ -277,3 +277,23 @@ async def test_disconnect_mid_stream_cancels_the_job_and_frees_kv(llama_ckpt: Pa
         events = read_events(redis_url, rid)
         assert events[-1]["type"] == "done" and events[-1]["finish_reason"] == "abort"
         assert events[-1]["usage"]["completion_tokens"] < LONG
+
+
+@pytest.mark.anyio
+async def test_shutdown_answers_whole_requests_503_and_frees_their_kv(llama_ckpt: Path, redis_url: str) -> None:
+    """A whole answer cannot be resumed: a gateway shutting down says so (503, Retry-After) and cancels its job,
+    while a streamed one keeps running for its client to resume elsewhere."""
+    body = {"model": str(llama_ckpt), "prompt": "count", "max_tokens": LONG, "temperature": 0, "ignore_eos": True}
+    async with running_worker(llama_ckpt, redis_url) as worker, httpx.AsyncClient(timeout=60) as http:
+        gw_cm = running_gateway(config(redis_url, cancel_grace_s=60))
+        gw = await gw_cm.__aenter__()
+        whole = asyncio.ensure_future(http.post(gw.url + "v1/completions", json=body,
+                                                headers={"X-Request-Id": "whole-at-shutdown"}))
+        await wait_for(lambda: worker.engine.stats()["kv_blocks_used"] > 0, 30)
+        await gw_cm.__aexit__(None, None, None)
+        resp = await whole
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+        assert resp.json()["error"]["code"] == "shutting_down"
+        await wait_for(lambda: idle(worker), 30)
+    events = read_events(redis_url, "whole-at-shutdown")
+    assert events[-1]["type"] == "done" and events[-1]["finish_reason"] == "abort"

@@ -47,6 +47,7 @@ class Gateway(Protocol):
     limits: Limits
     started_wall: float
     http_streams: dict[str, int]  # request id -> HTTP streams relaying it now
+    draining: asyncio.Event  # set when the gateway starts shutting down
 
     def prompt_limit(self) -> int: ...
 
@@ -247,8 +248,13 @@ class OpenAIRoutes:
                 assembler.on_event(job, event)
 
         try:
-            if not await _unless_disconnected(request, collect()):
+            outcome = await _first_of(request, collect(), self.gw.draining)
+            if outcome == "disconnected":
                 return Response(status_code=499)  # nobody is listening; the jobs are cancelled below
+            if outcome == "draining":  # no resume for a whole answer: free its KV now, the client retries
+                await stream.cancel_unfinished()
+                raise OpenAIError(503, "the gateway is shutting down; retry (another gateway may serve it)",
+                                  None, "shutting_down", "server_error", {"Retry-After": "1"})
         finally:
             stream.close(cancel=True)
         if assembler.error is not None:
@@ -318,6 +324,12 @@ class _JobStream:
                 remaining -= 1
             yield job, event
 
+    async def cancel_unfinished(self) -> None:
+        for rid in self.watches:
+            if rid not in self.finished:
+                with contextlib.suppress(ProtocolError):  # its keys expired meanwhile
+                    await self.gw.hub.cancel(rid)
+
     def close(self, *, cancel: bool) -> None:
         """Stop relaying; a job left unfinished is cancelled after the grace period unless resumed."""
         for rid, w in self.watches.items():
@@ -342,20 +354,22 @@ def _worker_status(code: str) -> int:
     return 504 if code == "expired" else 400
 
 
-async def _unless_disconnected(request: Request, work: Any) -> bool:
-    """Run `work` unless the client disconnects first (False then)."""
+async def _first_of(request: Request, work: Any, draining: asyncio.Event) -> str:
+    """Run `work` to its end ("done", or its exception) unless the client disconnects ("disconnected")
+    or the gateway starts shutting down ("draining") first."""
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    tasks = {"done": asyncio.ensure_future(work), "disconnected": asyncio.ensure_future(disconnected()),
+             "draining": asyncio.ensure_future(draining.wait())}
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            task.result()  # its exception, if it failed
-            return True
-        return False
+        finished, _ = await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_COMPLETED)
+        if tasks["done"] in finished:
+            tasks["done"].result()  # its exception, if it failed
+            return "done"
+        return "disconnected" if tasks["disconnected"] in finished else "draining"
     finally:
-        for t in (task, watcher):
+        for t in tasks.values():
             t.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
+        await asyncio.gather(*tasks.values(), return_exceptions=True)

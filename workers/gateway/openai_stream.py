@@ -17,6 +17,8 @@ from workers.gateway.openai_request import bad
 from workers.gateway.openai_response import Assembler, StreamMeta
 
 _WHOLE = 1 << 30  # "every chunk of this event"
+# One encoder for every chunk: json.dumps with options builds a new one per call.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
 @dataclass(frozen=True, order=True)
@@ -45,7 +47,7 @@ class Position:
 
 def _frame(request_id: str, seq: int, k: int, count: int, chunk: dict[str, Any]) -> str:
     sse_id = f"{request_id}:{seq}" if k == count - 1 else f"{request_id}:{seq}.{k}"
-    return f"id: {sse_id}\ndata: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"id: {sse_id}\ndata: {_ENCODER.encode(chunk)}\n\n"
 
 
 def _framed(request_id: str, seq: int, chunks: list[dict[str, Any]], after: Position) -> list[str]:

@@ -68,6 +68,7 @@ class Gateway:
         self.hub.on_resumed = self.keep  # a resume through any gateway stops our grace-period cancel
         # Requests streaming to HTTP clients now (request id -> count), for the grace cancel's check.
         self.http_streams: dict[str, int] = {}
+        self.draining = asyncio.Event()  # whole (non-streamed) HTTP answers end with 503 when set
         self.openai = OpenAIRoutes(self)
         self.app = Starlette(routes=[*self.routes.routes(self._handle), *self.openai.routes(),
                                      Route("/{path:path}", self.routes.static, methods=["GET", "HEAD"])])
@@ -113,6 +114,7 @@ class Gateway:
         """Shut down without cancelling anything: clients reconnect (here or to another gateway) and
         resume, so a restart does not cost anyone their answer."""
         self.serving = False
+        self.draining.set()
         for handle in self._pending_cancels.values():
             handle.cancel()
         self._pending_cancels.clear()
