@@ -78,7 +78,8 @@ def from_protocol(e: ProtocolError) -> OpenAIError:
 class OpenAIRoutes:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
-        self._models: tuple[float, list[dict[str, str]]] = (0.0, [])
+        self._models: tuple[float, list[dict[str, str]]] = (-_MODELS_TTL_S, [])
+        self._models_read: asyncio.Future[list[dict[str, str]]] | None = None
 
     def routes(self) -> list[Route]:
         return [Route("/v1/models", self._guard(self.models), methods=["GET"]),
@@ -107,11 +108,15 @@ class OpenAIRoutes:
     # --- models ------------------------------------------------------------------------------------
 
     async def served(self) -> list[dict[str, str]]:
-        """Live workers' heartbeats, reused for a moment (a busy API must not read them per request)."""
+        """Live workers' heartbeats, reused for a moment: a busy API must not read them per request,
+        and a burst arriving when they are stale shares one read."""
         when, workers = self._models
-        if time.monotonic() - when > _MODELS_TTL_S:
-            workers = await self.gw.hub.workers()
-            self._models = (time.monotonic(), workers)
+        if time.monotonic() - when <= _MODELS_TTL_S:
+            return workers
+        if self._models_read is None or self._models_read.done():
+            self._models_read = asyncio.ensure_future(self.gw.hub.workers())
+        workers = await asyncio.shield(self._models_read)
+        self._models = (time.monotonic(), workers)
         return workers
 
     async def models(self, request: Request) -> Response:
