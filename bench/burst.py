@@ -37,8 +37,8 @@ sys.path[0] = str(ROOT)  # bench/kernels.py must not shadow the `kernels` packag
 
 import redis  # noqa: E402
 
+from clients.heartbeats import live_workers  # noqa: E402
 from clients.protocol import Names  # noqa: E402
-from workers.heartbeats import live_workers  # noqa: E402
 from workers.redis_server import RedisServer, free_port  # noqa: E402
 
 

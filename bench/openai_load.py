@@ -32,8 +32,8 @@ sys.path[0] = str(ROOT)  # bench/kernels.py must not shadow the `kernels` packag
 import redis  # noqa: E402
 
 from bench.burst import _env, cpu_seconds, http_ok, percentile, wait_for  # noqa: E402
+from clients.heartbeats import live_workers  # noqa: E402
 from clients.protocol import Names  # noqa: E402
-from workers.heartbeats import live_workers  # noqa: E402
 from workers.redis_server import RedisServer, free_port  # noqa: E402
 
 PATHS = ("openai", "sse", "ws")  # the SDK, plain SSE over httpx, /ws

@@ -90,8 +90,8 @@ def main() -> None:
     import redis
     from transformers import AutoConfig
 
+    from clients.heartbeats import live_workers
     from clients.protocol import Names
-    from workers.heartbeats import live_workers
     from workers.redis_server import RedisServer
 
     if args.model == "tiny":

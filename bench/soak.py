@@ -529,7 +529,7 @@ class System:
         return redis.Redis.from_url(self.redis.url, socket_timeout=5, socket_connect_timeout=2)
 
     def wait_workers(self, n: int, timeout: float) -> None:
-        from workers.heartbeats import live_workers
+        from clients.heartbeats import live_workers
 
         r = self.redis_client()
         deadline = time.monotonic() + timeout

@@ -107,10 +107,10 @@ async def run_both(ckpt: Path, work: list[list[int]], args: argparse.Namespace, 
     the run with the median throughput."""
     import redis.asyncio as aioredis
 
+    from clients.heartbeats import live_args, live_script
     from clients.protocol import Names
     from clients.redis_client import AsyncClient
     from streamer import AsyncEngine, EngineConfig, SamplingParams
-    from workers.heartbeats import live_args, live_script
 
     worker = start_worker(ckpt, url, args)
     runs: dict[str, list[dict]] = {"local": [], "redis": []}

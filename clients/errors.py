@@ -3,7 +3,8 @@
 `ProtocolError` is raised for bytes or maps that break the contract (the worker and the gateway
 answer it with an `error` event or frame); `RequestFailed` is what the client raises when the
 worker answered a request with an `error` event; `UnknownRequest` when a request id names nothing
-in Redis (never submitted, or its keys expired).
+in Redis (never submitted, or its keys expired); `NoWorker` when nothing arrives and no worker is
+alive to serve the request.
 """
 
 from __future__ import annotations
@@ -37,3 +38,24 @@ class UnknownRequest(LookupError):
     def __init__(self, request_id: str, message: str = "") -> None:
         super().__init__(message or f"no request {request_id!r} (never submitted, or expired)")
         self.request_id = request_id
+
+
+class NoWorker(RuntimeError):
+    """Nothing arrived for a request and no worker is alive to serve it (none in the heartbeat set):
+    without this a client would wait silently for an answer that cannot come. `code` is `no_worker`."""
+
+    code = "no_worker"
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(message)
+        self.request_id, self.message = request_id, message
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    if "@" not in url or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    creds, host = rest.rsplit("@", 1)
+    user = creds.split(":", 1)[0]
+    return f"{scheme}://{user + ':' if user else ':'}***@{host}"

@@ -19,7 +19,8 @@ from typing import Any
 from redis.asyncio import Redis, RedisCluster
 
 from clients.backoff import TRANSIENT, Backoff, retry
-from clients.errors import RequestFailed, UnknownRequest
+from clients.errors import NoWorker, RequestFailed, UnknownRequest, redact_url
+from clients.heartbeats import as_names, live_args, live_script
 from clients.protocol import Names, decode_event, encode_job, event_stream_id
 
 log = logging.getLogger("streamer.client")
@@ -131,6 +132,7 @@ class AsyncClient:
         self.redis = connect(url, self.names, socket_connect_timeout=3)
         self._submit = self.redis.register_script(SUBMIT_SCRIPT)
         self._cancel = self.redis.register_script(CANCEL_SCRIPT)
+        self._live = live_script(self.redis)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -154,26 +156,38 @@ class AsyncClient:
                                                     payload), self.retry_s)
         return request_id
 
-    async def stream(self, request_id: str, after_seq: int = -1,
-                     timeout: float | None = 300.0) -> AsyncIterator[dict[str, Any]]:
+    async def live_workers(self) -> list[str]:
+        """Consumer names of the workers alive now (their heartbeat is fresh), newest beat first."""
+        return as_names(await self._live(**live_args(self.names)))
+
+    async def stream(self, request_id: str, after_seq: int = -1, timeout: float | None = 300.0,
+                     wait_for_worker: bool = False) -> AsyncIterator[dict[str, Any]]:
         """The request's events with seq > after_seq, in order, until `done` or `error`.
-        `timeout`: longest wait for the next event (TimeoutError), None for no limit."""
+        `timeout`: longest wait for the next event (TimeoutError), None for no limit.
+        While nothing arrives, the heartbeat set is checked every second: with no worker alive for two
+        checks in a row, NoWorker is raised (the job stays queued) unless `wait_for_worker`."""
         key = self.names.events(request_id)
         last = after_seq
         backoff = Backoff(f"stream {request_id}", log)
         waited_since = time.monotonic()
+        no_worker = 0  # checks in a row that found no live worker
         while True:
             block_ms = 1000 if timeout is None else max(1, min(1000, int(timeout * 1000)))
             try:
                 reply = await self.redis.xread({key: event_stream_id(last)}, block=block_ms, count=256)
+                if not reply and not wait_for_worker:
+                    no_worker = 0 if await self.live_workers() else no_worker + 1
                 backoff.reset()
             except TRANSIENT as e:  # Redis dropped: reconnect and continue after `last`
                 await backoff.sleep(e)
                 continue
             if not reply:
+                if no_worker >= 2:
+                    raise NoWorker(request_id, self.no_worker_message())
                 if timeout is not None and time.monotonic() - waited_since > timeout:
                     raise TimeoutError(f"no event for request {request_id} in {timeout}s")
                 continue
+            no_worker = 0
             waited_since = time.monotonic()
             for _key, entries in reply:
                 for _id, fields in entries:
@@ -183,13 +197,23 @@ class AsyncClient:
                     if event["type"] in ("done", "error"):
                         return
 
+    def no_worker_message(self) -> str:
+        where = redact_url(self.url)
+        return (f"no worker is serving {self.names.requests} on {where}: start one with `streamer worker "
+                f"--redis {where}` or use `streamer up` (the job stays queued; wait_for_worker=True waits for one)")
+
     async def generate(self, prompt: str | None = None, *, timeout: float | None = 300.0,
-                       **kwargs: Any) -> Generation:
-        """Submit and wait for the whole answer; RequestFailed on an error event."""
+                       wait_for_worker: bool = False, **kwargs: Any) -> Generation:
+        """Submit and wait for the whole answer; RequestFailed on an error event. NoWorker (and the job
+        cancelled) when no worker is alive to serve it, unless `wait_for_worker`."""
         request_id = await self.submit(prompt, **kwargs)
         result = Generation(request_id)
-        async for event in self.stream(request_id, timeout=timeout):
-            result.add(event)
+        try:
+            async for event in self.stream(request_id, timeout=timeout, wait_for_worker=wait_for_worker):
+                result.add(event)
+        except NoWorker:
+            await self.cancel(request_id)  # nobody asked to wait: it must not run later for no one
+            raise
         return result
 
     async def cancel(self, request_id: str) -> None:
@@ -234,9 +258,9 @@ class Client:
     def cancel(self, request_id: str) -> None:
         self._portal.call(self._client.cancel, request_id)
 
-    def stream(self, request_id: str, after_seq: int = -1, timeout: float | None = 300.0
-               ) -> Iterator[dict[str, Any]]:
-        agen = self._client.stream(request_id, after_seq, timeout)
+    def stream(self, request_id: str, after_seq: int = -1, timeout: float | None = 300.0,
+               wait_for_worker: bool = False) -> Iterator[dict[str, Any]]:
+        agen = self._client.stream(request_id, after_seq, timeout, wait_for_worker)
         try:
             while True:
                 try:

@@ -23,10 +23,10 @@ from test_gateway import _cancels, _drain_cancels, config, http_get, recv, send
 from websockets.asyncio.client import connect
 
 from clients.errors import UnknownRequest
+from clients.heartbeats import STALE_MS, live_workers
 from clients.protocol import Names
 from clients.redis_client import KEY_TTL_MS, AsyncClient, Client
 from workers.gateway.server import running_gateway
-from workers.heartbeats import STALE_MS, live_workers
 from workers.worker.config import WorkerConfig
 from workers.worker.reclaim import Reclaimer
 from workers.worker.state import WorkerState

@@ -7,6 +7,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -179,6 +180,39 @@ def busy_port():
 def test_port_in_use(busy_port: int, redis_url: str) -> None:
     assert_friendly(streamer("up", "--port", str(busy_port)), f"port {busy_port} is already in use", "--port")
     assert_friendly(streamer("gateway", "--port", str(busy_port), "--redis", redis_url), "already in use")
+
+
+# The usual first-hour mistakes: each is one line saying what to do, never a traceback.
+MISTAKES = [
+    (("up", "--port", "99999"), {}, ["--port", "port 99999 is out of range", "1-65535"]),
+    (("up",), {"STREAMER_PORT": "70000"}, ["port 70000 is out of range"]),
+    (("gateway", "--port", "-5"), {}, ["port -5 is out of range"]),
+    (("up", "--redis", "http://127.0.0.1:6379/0"), {}, ["http:// URL", "redis://HOST:6379/0"]),
+    (("generate", "hi", "--redis", "http://127.0.0.1:6379/0"), {}, ["http:// URL", "redis://HOST:6379/0"]),
+    (("worker", "--redis", "localhost:6379"), {}, ["a Redis URL looks like redis://"]),
+    (("up",), {"STREAMER_REDIS": "redis://127.0.0.1:1/0"}, ["STREAMER_REDIS in your environment",
+                                                            "unset STREAMER_REDIS"]),
+]
+
+
+@pytest.mark.parametrize(("args", "env", "needles"), MISTAKES, ids=[" ".join(m[0]) + str(m[1]) for m in MISTAKES])
+def test_usual_mistakes_get_one_line_saying_what_to_do(args: tuple[str, ...], env: dict[str, str],
+                                                        needles: list[str]) -> None:
+    proc = streamer(*args, env=env, timeout=30)
+    assert_friendly(proc, *needles)
+    assert "streamer up`, which starts" not in proc.stderr or args[0] != "up"  # never "use up" to up's user
+
+
+def test_generate_with_no_worker_says_so_at_once_and_queues_nothing(redis_url: str) -> None:
+    import redis as redis_sync
+    r = redis_sync.Redis.from_url(redis_url)
+    r.delete("llm:requests")
+    started = time.monotonic()
+    proc = streamer("generate", "hi", "--redis", redis_url, timeout=30)
+    assert time.monotonic() - started < 8  # ~2 s of patience plus the interpreter's start
+    assert_friendly(proc, "no worker is serving llm:requests on " + redis_url, "streamer worker", "--wait")
+    assert r.xlen("llm:requests") == 0
+    r.close()
 
 
 def test_debug_shows_the_traceback(tmp_path: Path) -> None:

@@ -10,9 +10,11 @@ clients/errors.py, engine errors in streamer/errors.py.
 from __future__ import annotations
 
 import errno
+import os
 
 import redis.exceptions as rex
 
+from clients.errors import redact_url
 from streamer.errors import ConfigError
 
 
@@ -41,19 +43,13 @@ class RedisNotFound(UserError):
 
 
 def redis_hint(url: str | None) -> str:
+    if url and os.environ.get("STREAMER_REDIS") == url:  # a leftover export, most likely
+        return (f"cannot reach Redis at {redact_url(url)}, which STREAMER_REDIS in your environment names: "
+                "start that server, point STREAMER_REDIS at a running one, or `unset STREAMER_REDIS` "
+                "(`streamer up` then starts a private Redis of its own)")
     where = f" at {redact_url(url)}" if url else ""
     return (f"cannot reach Redis{where}: start redis-server (or use `streamer up`, which starts "
             "one) or pass --redis URL / set STREAMER_REDIS")
-
-
-def redact_url(url: str) -> str:
-    """The URL without its password, for messages and logs."""
-    if "@" not in url or "://" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    creds, host = rest.rsplit("@", 1)
-    user = creds.split(":", 1)[0]
-    return f"{scheme}://{user + ':' if user else ':'}***@{host}"
 
 
 def friendly_message(exc: BaseException, redis_url: str | None = None) -> str | None:

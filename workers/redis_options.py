@@ -12,8 +12,10 @@ import redis
 import redis.asyncio as aioredis
 import redis.cluster
 
+from clients.errors import redact_url
 from clients.protocol import Names
-from workers.errors import RedisUnavailable, redact_url, redis_hint
+from workers.arg_types import redis_url
+from workers.errors import RedisUnavailable, redis_hint
 
 # Connections one process opens to Redis at most (its pub/sub connection included). Redis serves
 # commands one at a time: past a few dozen connections more only cost memory on both sides, while
@@ -24,7 +26,7 @@ DEFAULT_POOL_TIMEOUT_S = 20.0
 
 
 def add_redis_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL")
+    parser.add_argument("--redis", type=redis_url, default="redis://127.0.0.1:6379/0", help="Redis URL")
     parser.add_argument("--prefix", default="llm", help="prefix of every Redis name")
     parser.add_argument("--requests-stream", default="", help="requests stream (default PREFIX:requests)")
     parser.add_argument("--cancel-channel", default="", help="cancel channel (default PREFIX:cancel)")

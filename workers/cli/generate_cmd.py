@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import time
 from typing import Any
 
 import anyio
 
+from clients.errors import NoWorker
 from clients.redis_client import AsyncClient
 from workers.errors import UserError
 from workers.redis_options import add_redis_arguments, check_redis, names_from_args
@@ -28,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='more sampling parameters as JSON, e.g. \'{"top_p":0.9}\'')
     parser.add_argument("--encoding", choices=("json", "msgpack"), default="json", help="wire encoding")
     parser.add_argument("--timeout", type=float, default=300.0, help="longest wait for the next token (s)")
+    parser.add_argument("--wait", action="store_true",
+                        help="queue the prompt even when no worker is alive, and wait for one (default: "
+                             "say so within 2 s)")
     add_redis_arguments(parser)
 
 
@@ -48,28 +54,85 @@ async def _generate(args: argparse.Namespace) -> int:
     chat = [{"role": "user", "content": args.prompt}]
     prompt = {"messages": chat} if args.chat else {"prompt": args.prompt}
     async with AsyncClient(args.redis, encoding=args.encoding, names=names_from_args(args)) as client:
+        if not args.wait:
+            await _require_worker(client)
         request_id = await client.submit(**prompt, params=sampling_params(args))
-        try:
-            async for event in client.stream(request_id, timeout=args.timeout):
-                if event["type"] == "error":
-                    print(f"\nerror: {event.get('code')}: {event.get('message')}", file=sys.stderr)
-                    return 1
-                sys.stdout.write(event.get("text", ""))
-                sys.stdout.flush()
-                if event["type"] == "done":
-                    usage = event.get("usage", {})
-                    print(f"\n[{event.get('finish_reason')}; {usage.get('prompt_tokens')} prompt + "
-                          f"{usage.get('completion_tokens')} generated tokens]", file=sys.stderr)
-        except anyio.get_cancelled_exc_class():
-            with anyio.CancelScope(shield=True):
-                await client.cancel(request_id)
-            raise
-        except TimeoutError:
-            with anyio.CancelScope(shield=True):
-                await client.cancel(request_id)
-            print(f"\nerror: no answer within {args.timeout}s: is a worker running?", file=sys.stderr)
-            return 1
+        stop = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_on_signal, stop, tg.cancel_scope)
+            try:
+                return await _print_stream(client, request_id, args, stop)
+            finally:
+                tg.cancel_scope.cancel()
     return 0
+
+
+async def _require_worker(client: AsyncClient, patience_s: float = 2.0) -> None:
+    """Say at once that nobody will answer, instead of waiting silently (a worker that is starting
+    has `patience_s` to show up)."""
+    deadline = anyio.current_time() + patience_s
+    while not await client.live_workers():
+        if anyio.current_time() > deadline:
+            raise UserError(client.no_worker_message().replace(
+                "(the job stays queued; wait_for_worker=True waits for one)", "(or pass --wait to queue the "
+                "prompt until one starts)"))
+        await anyio.sleep(0.25)
+
+
+async def _on_signal(stop: anyio.Event, scope: anyio.CancelScope) -> None:
+    # Ctrl-C as a flag the loop checks, not only a cancellation: a cancel that lands inside a Redis read
+    # can be swallowed there, and the answer would then go on streaming.
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            stop.set()
+            scope.cancel()
+            return
+
+
+async def _print_stream(client: AsyncClient, request_id: str, args: argparse.Namespace, stop: anyio.Event) -> int:
+    sent, first, tokens = time.monotonic(), None, 0
+    try:
+        async for event in client.stream(request_id, timeout=args.timeout, wait_for_worker=args.wait):
+            if stop.is_set():
+                break
+            if event["type"] == "error":
+                print(f"\nerror: {event.get('code')}: {event.get('message')}", file=sys.stderr)
+                return 1
+            first = first or time.monotonic()
+            tokens += len(event.get("token_ids", []))
+            sys.stdout.write(event.get("text", ""))
+            sys.stdout.flush()
+            if event["type"] == "done":
+                print("\n" + _summary(event, sent, first, tokens), file=sys.stderr)
+                return 0
+    except anyio.get_cancelled_exc_class():
+        if not stop.is_set():
+            raise
+    except NoWorker as e:
+        with anyio.CancelScope(shield=True):
+            await client.cancel(request_id)
+        raise UserError(e.message.replace("(the job stays queued; wait_for_worker=True waits for one)",
+                                          "(the prompt was withdrawn; --wait waits for a worker)")) from e
+    except TimeoutError:
+        with anyio.CancelScope(shield=True):
+            await client.cancel(request_id)
+        print(f"\nerror: no answer within {args.timeout}s: is a worker running?", file=sys.stderr)
+        return 1
+    with anyio.CancelScope(shield=True):  # interrupted (Ctrl-C)
+        await client.cancel(request_id)
+    print("\n[cancelled]", file=sys.stderr)
+    return 130
+
+
+def _summary(done: dict[str, Any], sent: float, first: float | None, tokens: int) -> str:
+    usage = done.get("usage", {})
+    line = (f"[{done.get('finish_reason')}; {usage.get('prompt_tokens')} prompt + "
+            f"{usage.get('completion_tokens')} generated tokens")
+    if first is not None:
+        end = time.monotonic()
+        rate = (tokens - 1) / (end - first) if tokens > 1 and end > first else 0.0
+        line += f"; first token after {first - sent:.2f}s, {rate:.1f} tokens/s after it"
+    return line + "]"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,10 +26,12 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from clients.errors import redact_url
+from clients.heartbeats import live_workers
 from clients.protocol import Names
+from workers.arg_types import port_number, redis_url
 from workers.cli.processes import Child, Phases
-from workers.errors import PortInUse, UserError, redact_url
-from workers.heartbeats import live_workers
+from workers.errors import PortInUse, UserError
 from workers.redis_options import check_redis, sync_client
 from workers.redis_server import RedisServer, free_port
 
@@ -40,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="Hugging Face checkpoint directory (Llama 2/3, Mistral, Qwen2); default: "
                              "the built-in SmolLM2-135M-Instruct, prepared on first run")
-    parser.add_argument("--redis", default=None,
+    parser.add_argument("--redis", type=redis_url, default=None,
                         help="URL of a running Redis to use; default: start a private redis-server "
                              "on a free port")
     parser.add_argument("--prefix", default="llm", help="prefix of every Redis name (worker and gateway)")
@@ -48,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--insecure-no-auth", action="store_true",
                         help="let the gateway serve without an API key on a non-loopback --host (passed on "
                              "to `streamer gateway`; a key comes from STREAMER_API_KEY)")
-    parser.add_argument("--port", type=int, default=8000, help="gateway port (0: any free port)")
+    parser.add_argument("--port", type=port_number, default=8000, help="gateway port (0: any free port)")
     parser.add_argument("--device", default=None, help="device for the worker: cpu, cuda or cuda:N "
                                                        "(default: CUDA if available, else CPU)")
     parser.add_argument("--startup-timeout", type=float, default=900.0,

@@ -8,6 +8,7 @@ import logging
 import signal
 from pathlib import Path
 
+from workers.arg_types import port_number, redis_url
 from workers.errors import UserError
 from workers.gateway.config import GatewayConfig
 from workers.gateway.server import running_gateway
@@ -19,8 +20,10 @@ log = logging.getLogger("streamer.gateway")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = GatewayConfig()
     parser.add_argument("--host", default=d.host, help="address to listen on")
-    parser.add_argument("--port", type=int, default=d.port, help="port for /ws, the chat page, /healthz, /metrics")
-    parser.add_argument("--redis", default=d.redis_url, help="Redis URL (redis://[:PASSWORD@]HOST:PORT/DB)")
+    parser.add_argument("--port", type=port_number, default=d.port,
+                        help="port for /ws, /v1 (OpenAI API), the chat page, /healthz, /metrics")
+    parser.add_argument("--redis", type=redis_url, default=d.redis_url,
+                        help="Redis URL (redis://[:PASSWORD@]HOST:PORT/DB)")
     parser.add_argument("--prefix", default=d.prefix, help="prefix of every Redis key (as the worker's)")
     parser.add_argument("--request-shards", type=int, default=d.request_shards,
                         help="request streams jobs are spread over (as the workers')")

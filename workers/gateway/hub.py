@@ -20,11 +20,11 @@ import redis.asyncio as aioredis
 
 from clients.backoff import TRANSIENT, Backoff
 from clients.errors import ProtocolError
+from clients.heartbeats import as_names, live_args, live_script
 from clients.protocol import Names, decode_message, decode_payload, encode_job, event_stream_id, split_fields
 from clients.redis_client import CANCEL_SCRIPT, SUBMIT_SCRIPT, push_job
 from workers.gateway.metrics import Metrics
 from workers.gateway.watch import Watch
-from workers.heartbeats import as_names, live_args, live_script
 from workers.redis_options import async_client
 
 log = logging.getLogger("streamer.gateway")
@@ -386,7 +386,7 @@ class Hub:
             return False
 
     async def workers(self) -> list[dict[str, str]]:
-        """Live workers, from the heartbeat set (workers/heartbeats.py), never a scan of the keyspace:
+        """Live workers, from the heartbeat set (clients/heartbeats.py), never a scan of the keyspace:
         two round trips whatever else Redis holds. A member counts when it beat within STALE_MS and its
         stats hash (which expires 3 beats after the last one) is still there."""
         names = as_names(await self._live_workers(**live_args(self.names)))

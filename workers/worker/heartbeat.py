@@ -1,5 +1,5 @@
 """The Redis worker's heartbeat: its place in the heartbeat set (how gateways and `streamer up` find
-live workers without scanning keys, workers/heartbeats.py), its stats key, cancel markers of running
+live workers without scanning keys, clients/heartbeats.py), its stats key, cancel markers of running
 jobs, and the idle time of the entries it holds kept fresh so no other worker reclaims them while
 this one is alive.
 """
@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from clients.backoff import TRANSIENT, Backoff
-from workers.heartbeats import STALE_MS
+from clients.heartbeats import STALE_MS
 from workers.worker.cancel import CancelListener
 from workers.worker.config import WorkerConfig
 from workers.worker.engine import Engine

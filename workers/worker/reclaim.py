@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from clients.backoff import TRANSIENT, Backoff
-from workers.heartbeats import as_names, live_args, live_script
+from clients.heartbeats import as_names, live_args, live_script
 from workers.worker.config import WorkerConfig
 from workers.worker.intake import Intake
 from workers.worker.state import WorkerState, as_str

@@ -3,7 +3,8 @@
 Each worker, on every heartbeat, adds itself to the set (member = consumer name, score = the Redis
 server's time of the beat in ms, so no two machines' clocks are compared) and prunes members whose
 last beat is older than `STALE_MS`; it removes itself when it stops. Readers (the gateway's
-/healthz, `streamer up` waiting for its worker, benchmarks) ask for the members that beat within
+/healthz, `streamer up` waiting for its worker, a client checking that someone will serve its job,
+benchmarks) ask for the members that beat within
 `STALE_MS`: one O(log N + M) command, however many other keys the database holds. Nothing here
 scans the keyspace. The per-worker hash `PREFIX:worker:{name}` keeps the details (stats) and still
 expires 3 heartbeats after the last one, so a reader that also wants the details treats a member

@@ -1,0 +1,28 @@
+"""argparse types shared by the commands (`type=` of their options): a value that cannot work is
+refused where it is read, as one line saying what to pass instead, never as a traceback later."""
+
+from __future__ import annotations
+
+import argparse
+from urllib.parse import urlsplit
+
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def port_number(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number: pass 1-65535 (0: any free port)") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is out of range: pass 1-65535 (0: any free port)")
+    return port
+
+
+def redis_url(text: str) -> str:
+    scheme = urlsplit(text).scheme
+    if scheme not in REDIS_SCHEMES:
+        given = f"a {scheme}:// URL" if scheme else "not a URL"
+        raise argparse.ArgumentTypeError(f"{text!r} is {given}: a Redis URL looks like redis://HOST:6379/0 "
+                                         "(rediss:// with TLS, unix:///path/redis.sock)")
+    return text
