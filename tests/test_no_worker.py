@@ -1,0 +1,56 @@
+"""Nobody waits silently for an answer that cannot come: with no live worker a client says so within
+a couple of seconds (unless it asked to wait), and the gateway tells its sockets and the page."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+import redis.asyncio as aioredis
+from redis_worker_helpers import NAMES, running_worker
+
+from clients import AsyncClient, Client, NoWorker
+
+
+@pytest.mark.anyio
+async def test_client_without_a_worker_raises_no_worker_and_withdraws_the_job(redis_url: str) -> None:
+    r = aioredis.Redis.from_url(redis_url)
+    await r.delete(NAMES.heartbeats)
+    async with AsyncClient(redis_url) as client:
+        started = time.monotonic()
+        with pytest.raises(NoWorker) as err:
+            await client.generate("hi", params={"max_tokens": 2})
+        assert time.monotonic() - started < 4
+        assert "no worker is serving llm:requests on " + redis_url in str(err.value)
+        assert "streamer up" in str(err.value)
+        assert await r.exists(NAMES.cancelled(err.value.request_id))  # it will not run later for no one
+    await r.aclose()
+
+
+def test_blocking_client_raises_no_worker_too(redis_url: str) -> None:
+    with Client(redis_url) as client:
+        rid = client.submit("hi", params={"max_tokens": 2})
+        with pytest.raises(NoWorker):
+            list(client.stream(rid, timeout=30))
+
+
+@pytest.mark.anyio
+async def test_wait_for_worker_waits_for_one_that_starts_later(llama_ckpt: Path, redis_url: str) -> None:
+    async with AsyncClient(redis_url) as client:
+        rid = await client.submit("hi", params={"max_tokens": 3, "temperature": 0, "ignore_eos": True})
+        events: list[dict] = []
+
+        async def read() -> None:
+            events.extend([e async for e in client.stream(rid, timeout=60, wait_for_worker=True)])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read)
+            await anyio.sleep(3)  # past the no-worker check: still waiting, as asked
+            assert not events
+            async with running_worker(llama_ckpt, redis_url):
+                with anyio.fail_after(60):
+                    while not events:
+                        await anyio.sleep(0.05)
+    assert events[-1]["type"] == "done" and events[-1]["usage"]["completion_tokens"] == 3
