@@ -127,3 +127,42 @@ async def test_page_streams_stops_and_resumes_after_reload(llama_ckpt: Path, red
             raise
         finally:
             await browser.close()
+
+
+@pytest.mark.anyio
+async def test_page_says_online_on_load_and_when_no_worker_serves(llama_ckpt: Path, redis_url: str,
+                                                                   tmp_path: Path) -> None:
+    """The badge is the truth from the first second: "online" with a worker, "no worker" without one,
+    and a message sent meanwhile says it waits in the queue (then is answered once a worker starts)."""
+    import redis.asyncio as aioredis
+
+    r = aioredis.Redis.from_url(redis_url)
+    await r.delete("llm:heartbeats")
+    await r.aclose()
+    async with running_gateway(config(redis_url)) as gw, async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=chromium(), args=CHROMIUM_ARGS)
+        page = await browser.new_page()
+        try:
+            await page.goto(gw.url)
+            await page.wait_for_selector("#status[data-status=no-worker]", timeout=10000)
+            assert await page.inner_text("#status") == "no worker"
+            assert "streamer worker" in await page.get_attribute("#status", "title")
+            await settings(page, max_tokens="4", temperature="0", extra='{"ignore_eos": true}')
+            await ask(page, "Anyone there?")
+            await page.wait_for_function(
+                "() => (document.querySelector('.msg.assistant .meta')?.textContent || '').includes('no worker')",
+                timeout=10000)
+            assert "waits in the queue" in await page.inner_text(".msg.assistant .meta")
+            async with running_worker(llama_ckpt, redis_url):
+                await page.wait_for_selector(".msg.assistant[data-state=done]", timeout=30000)
+                await page.wait_for_selector("#status[data-status=open]", timeout=10000)
+                assert await page.inner_text("#status") == "online"
+                fresh = await browser.new_page()
+                await fresh.goto(gw.url)  # a page loaded while a worker serves says so before any message
+                await fresh.wait_for_selector("#status[data-status=open]", timeout=10000)
+                assert await fresh.inner_text("#status") == "online"
+        except BaseException:
+            await page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
+            raise
+        finally:
+            await browser.close()

@@ -54,3 +54,28 @@ async def test_wait_for_worker_waits_for_one_that_starts_later(llama_ckpt: Path,
                     while not events:
                         await anyio.sleep(0.05)
     assert events[-1]["type"] == "done" and events[-1]["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.anyio
+async def test_gateway_accepted_frame_says_how_many_workers_are_alive(llama_ckpt: Path, redis_url: str) -> None:
+    from redis_worker_helpers import wait_for
+    from test_gateway import config, recv, send
+    from websockets.asyncio.client import connect
+
+    from workers.gateway.server import running_gateway
+
+    r = aioredis.Redis.from_url(redis_url)
+    await r.delete(NAMES.heartbeats)
+    await r.aclose()
+    async with running_gateway(config(redis_url)) as gw, connect(gw.ws_url) as ws:
+        await wait_for(lambda: gw.workers_alive is not None, 10)
+        await send(ws, {"type": "generate", "id": "nobody-home", "prompt": "x", "params": {"max_tokens": 1}})
+        assert await recv(ws) == {"type": "accepted", "id": "nobody-home", "workers": 0}
+        await send(ws, {"type": "cancel", "id": "nobody-home"})
+        async with running_worker(llama_ckpt, redis_url):
+            await wait_for(lambda: gw.workers_alive == 1, 15)
+            await send(ws, {"type": "generate", "id": "served", "prompt": "x", "params": {"max_tokens": 1}})
+            frames = [await recv(ws, timeout=30)]
+            while frames[-1].get("id") != "served":
+                frames.append(await recv(ws, timeout=30))
+            assert {"type": "accepted", "id": "served", "workers": 1} in frames

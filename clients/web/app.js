@@ -40,15 +40,41 @@ function getClient() {
   localStorage.setItem(`${STORE}.token`, token);
   const url = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws`;
   client = new StreamerClient(url, { token: token || undefined, onStatus: showStatus });
+  client.connect(); // the badge tells the truth from the start, before anything is sent
   return client;
 }
 
+let socketStatus = "closed";
+let workersAlive = null; // live workers at the last look (/readyz, or an `accepted` frame); null: unknown
+const NO_WORKER = "no worker is serving requests: start one with `streamer worker` (or use `streamer up`)";
+
 function showStatus(status) {
-  ui.status.dataset.status = status;
-  ui.status.textContent = { open: "connected", connecting: "connecting…", reconnecting: "reconnecting…", closed: "idle" }[status] || status;
-  ui.status.title = status === "reconnecting"
-    ? "cannot reach the gateway: is it running? does it need an API key (Settings)?"
-    : "connection to the gateway";
+  socketStatus = status;
+  paintBadge();
+}
+
+// One badge for the whole state: the socket to the gateway, and whether any worker is behind it.
+function paintBadge() {
+  const idleOrOpen = socketStatus === "open";
+  const state = idleOrOpen && workersAlive === 0 ? "no-worker" : socketStatus;
+  ui.status.dataset.status = state;
+  ui.status.textContent = { open: "online", connecting: "connecting…", reconnecting: "reconnecting…",
+    closed: "offline", "no-worker": "no worker" }[state] || state;
+  ui.status.title = {
+    reconnecting: "cannot reach the gateway: is it running? does it need an API key (Settings)?",
+    "no-worker": NO_WORKER,
+  }[state] || "connection to the gateway";
+}
+
+async function pollWorkers() {
+  try {
+    const resp = await fetch("/readyz", { cache: "no-store" });
+    const body = await resp.json();
+    workersAlive = body.redis ? body.workers.length : null;
+  } catch {
+    workersAlive = null; // the gateway itself is away: the socket's status says so
+  }
+  paintBadge();
 }
 
 // --- rendering ------------------------------------------------------------------------------------
@@ -137,7 +163,7 @@ async function follow(stream, el, sentAt) {
   showStats(a);
   let meta = "";
   // Until the first token: say so if it takes a while (a long queue, or no worker running).
-  const waiting = setTimeout(() => a.firstAt || setMeta(el, "waiting for a worker…"), 2000);
+  const waiting = setTimeout(() => a.firstAt || el.querySelector(".meta") || setMeta(el, "waiting for a worker…"), 2000);
   try {
     for await (const event of stream) {
       const now = performance.now();
@@ -183,7 +209,14 @@ function send(promptText) {
   const stream = getClient().generate(request);
   chat.active = { id: stream.id, started: Date.now() };
   save();
-  return follow(stream, addMessage("assistant", ""), performance.now());
+  const el = addMessage("assistant", "");
+  stream.onAccepted = (frame) => {
+    if (frame.workers === undefined) return;
+    workersAlive = frame.workers;
+    paintBadge();
+    if (frame.workers === 0 && !el.querySelector(".text").textContent) setMeta(el, `${NO_WORKER}; this message waits in the queue`);
+  };
+  return follow(stream, el, performance.now());
 }
 
 // --- wiring ---------------------------------------------------------------------------------------
@@ -249,4 +282,7 @@ if (chat.active) {
   const el = addMessage("assistant", "");
   follow(getClient().resume(chat.active.id, -1), el, null);
 }
+getClient();
+pollWorkers();
+setInterval(pollWorkers, 5000);
 ui.prompt.focus();

@@ -40,6 +40,8 @@ export class Stream {
     this.lastSeq = afterSeq; // highest seq delivered; resume continues after it
     this.finished = false;
     this.accepted = false;
+    this.workers = undefined;
+    this.onAccepted = () => {}; // called with the `accepted` frame ({ id, workers })
     this._events = [];
     this._wake = null;
   }
@@ -116,7 +118,15 @@ export class StreamerClient {
     this._closedByUser = false;
     this._attempt = 0;
     this._timer = null;
+    this._keepOpen = false; // connect() was called: stay connected while idle, reconnect after drops
     this.lastError = null; // the last gateway error that belonged to no request (bad frame, ...)
+  }
+
+  /** Open the socket now and keep it open (reconnecting after drops) even with no request running. */
+  connect() {
+    this._keepOpen = true;
+    this._closedByUser = false;
+    if (!this._ws && !this._timer) this._connect();
   }
 
   /** Start a generation. `request`: { prompt | messages | prompt_token_ids, params?, id?, priority? }. */
@@ -202,7 +212,7 @@ export class StreamerClient {
       if (this._ws !== ws) return;
       this._ws = null;
       const unfinished = [...this._streams.values()].filter((s) => !s.finished);
-      if (this._closedByUser || !this.reconnect || (!unfinished.length && !this._outbox.length)) {
+      if (this._closedByUser || !this.reconnect || (!unfinished.length && !this._outbox.length && !this._keepOpen)) {
         this._setStatus("closed");
         return;
       }
@@ -221,7 +231,10 @@ export class StreamerClient {
       const delay = Math.min(this.maxBackoffMs, 100 * 2 ** Math.min(this._attempt, 10)) * (0.5 + Math.random() / 2);
       this._setStatus("reconnecting");
       this.lastClose = { code: event.code, reason: event.reason };
-      this._timer = setTimeout(() => this._connect(), delay);
+      this._timer = setTimeout(() => {
+        this._timer = null;
+        this._connect();
+      }, delay);
     };
   }
 
@@ -234,7 +247,11 @@ export class StreamerClient {
     }
     const stream = event.id != null ? this._streams.get(event.id) : undefined;
     if (event.type === "accepted") {
-      if (stream) stream.accepted = true;
+      if (stream) {
+        stream.accepted = true;
+        stream.workers = event.workers; // live workers the gateway knows of (0: nobody serves yet)
+        stream.onAccepted(event);
+      }
       return;
     }
     if (!stream) {

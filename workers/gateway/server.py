@@ -61,6 +61,7 @@ class Gateway:
         # The longest context a live worker announced in its heartbeat (0: none did); refreshed by
         # every readiness check and by a background loop.
         self.workers_max_model_len = 0
+        self.workers_alive: int | None = None  # live workers at the last look (None: not looked yet)
         self._watch_workers: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self.sessions: set[Session] = set()
@@ -106,8 +107,9 @@ class Gateway:
         except BaseException:
             await self.hub.close()
             raise
-        if self.config.max_prompt_tokens <= 0:  # the prompt limit is learned from the workers
-            self._watch_workers = asyncio.create_task(self._workers_loop())
+        # The prompt limit (unless --max-prompt-tokens) and whether anyone serves at all (`accepted`
+        # frames say how many workers are alive) are learned from the heartbeats.
+        self._watch_workers = asyncio.create_task(self._workers_loop())
         log.info("gateway on %s (WebSocket %s), Redis prefix %r", self.url, self.ws_url, self.config.prefix)
 
     async def close(self) -> None:
@@ -155,7 +157,8 @@ class Gateway:
 
     async def _handle(self, starlette_ws: WebSocket) -> None:
         ws = SocketConn(starlette_ws)
-        session = Session(ws, self.config, self.hub, self.metrics, self.limits, self, self.prompt_limit)
+        session = Session(ws, self.config, self.hub, self.metrics, self.limits, self, self.prompt_limit,
+                          lambda: self.workers_alive)
         self.sessions.add(session)
         self.metrics.inc("connections_total")
         try:
@@ -232,6 +235,7 @@ class Gateway:
     def _learn(self, workers: list[dict[str, str]]) -> None:
         lens = [int(w["max_model_len"]) for w in workers if str(w.get("max_model_len", "")).isdigit()]
         self.workers_max_model_len = max(lens, default=0)
+        self.workers_alive = len(workers)
 
     async def _workers_loop(self, every_s: float = 5.0) -> None:
         # Ends on `_stopping`, not only on cancel: a cancel that lands inside a Redis call can be

@@ -86,10 +86,12 @@ class GraceCancels(Protocol):
 
 class Session:
     def __init__(self, ws: SocketConn, config: GatewayConfig, hub: Hub, metrics: Metrics,
-                 limits: Limits, grace: GraceCancels, prompt_limit: Callable[[], int] = lambda: 0) -> None:
+                 limits: Limits, grace: GraceCancels, prompt_limit: Callable[[], int] = lambda: 0,
+                 workers_alive: Callable[[], int | None] = lambda: None) -> None:
         self.ws, self.cfg, self.hub, self.metrics = ws, config, hub, metrics
         self.limits, self.grace = limits, grace
         self.prompt_limit = prompt_limit  # longest prompt_token_ids a worker can take now (0: unknown)
+        self.workers_alive = workers_alive  # live workers the gateway last saw (None: not known yet)
         self.requests: dict[str, Watch] = {}
         self._queue: deque[tuple[str, int]] = deque()
         self._queued_bytes = 0
@@ -192,6 +194,14 @@ class Session:
             self.error(rid, "internal", f"the gateway failed on this frame ({type(e).__name__}); "
                        "retry, or report it if it persists")
 
+    def _accepted(self, rid: str) -> dict[str, Any]:
+        """`workers: 0` tells the client at once that nobody is serving (the job still waits)."""
+        frame: dict[str, Any] = {"type": "accepted", "id": rid}
+        alive = self.workers_alive()
+        if alive is not None:
+            frame["workers"] = alive
+        return frame
+
     def _check_room(self, rid: str) -> None:
         if rid in self.requests:
             raise ProtocolError("duplicate_id", f"request {rid!r} is already streaming on this connection",
@@ -218,7 +228,7 @@ class Session:
         try:
             # Subscribed before the job exists, so the first token cannot be missed.
             await self._watch(rid, 0, catch_up=False)
-            self.send(json.dumps({"type": "accepted", "id": rid}))
+            self.send(json.dumps(self._accepted(rid)))
             await self.hub.push(job)
         except BaseException:
             self._forget(rid)
