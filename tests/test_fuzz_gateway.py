@@ -164,5 +164,6 @@ def test_the_socket_still_serves_after_the_fuzzing(ws: ClientConnection) -> None
     rid = uuid.uuid4().hex
     got = answer(ws, json.dumps({"type": "generate", "id": rid, "prompt": "still there?", "params": {
         "max_tokens": 2, "ignore_eos": True}}), rid)
-    assert {k: v for k, v in got[0].items() if k != "workers"} == {"type": "accepted", "id": rid} and got[-1]["type"] == "done" and len(got) == 4
+    accepted = {k: v for k, v in got[0].items() if k != "workers"}  # the live-worker count is timing
+    assert accepted == {"type": "accepted", "id": rid} and got[-1]["type"] == "done" and len(got) == 4
     assert nested(3) == {"k": [{"k": 1}]}  # the helper the strategies nest with
