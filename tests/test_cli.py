@@ -246,7 +246,12 @@ def test_bench_lists_and_rejects_unknown_names() -> None:
     proc = streamer("bench")
     assert proc.returncode == 0
     scripts = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if "__main__" in p.read_text())
-    assert [line.split()[0] for line in proc.stdout.splitlines()] == scripts
+    listing = proc.stdout.split("\n\n")[0].splitlines()
+    assert [line.split()[0] for line in listing] == scripts
+    # Each with its one-line description (the first sentence of the script's docstring).
+    assert any(line.split(None, 1)[1].startswith("Offline throughput: streamer vs transformers") for line in listing)
+    assert all(len(line.split(None, 1)) == 2 for line in listing)
+    assert "streamer bench NAME --help" in proc.stdout
     assert "workload" not in scripts  # a helper module, not a benchmark
     assert_friendly(streamer("bench", "no-such-bench"), "no benchmark named 'no-such-bench'")
 

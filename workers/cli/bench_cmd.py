@@ -7,6 +7,8 @@ to the script unchanged (`streamer bench throughput --help` shows the script's o
 from __future__ import annotations
 
 import argparse
+import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +27,14 @@ def scripts(bench_dir: Path = BENCH_DIR) -> dict[str, Path]:
             if not p.name.startswith("_") and "__main__" in p.read_text(errors="replace")}
 
 
+def describe(script: Path, width: int = 100) -> str:
+    """One line about a benchmark: the first sentence of its docstring."""
+    doc = ast.get_docstring(ast.parse(script.read_text(errors="replace"))) or ""
+    paragraph = " ".join(doc.split("\n\n")[0].split())
+    sentence = re.split(r"(?<=[\w)])\. (?=[A-Z])", paragraph)[0].rstrip(".")
+    return sentence if len(sentence) <= width else sentence[:width - 1].rstrip() + "…"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     found = ", ".join(scripts()) or "none found"
     parser.add_argument("name", nargs="?", help=f"benchmark to run ({found}); omit to list them")
@@ -38,7 +48,9 @@ def run(args: argparse.Namespace) -> int:
         if not available:
             print(f"no benchmarks found in {BENCH_DIR}")
         for name, path in available.items():
-            print(f"{name:20s} {path}")
+            print(f"{name:14s} {describe(path)}")
+        if available:
+            print(f"\nrun one: streamer bench NAME [ARGS]; its options: streamer bench NAME --help ({BENCH_DIR})")
         return 0
     if not BENCH_DIR.is_dir():
         raise UserError("benchmarks run from a source checkout (bench/ is not installed): clone the "
