@@ -31,7 +31,9 @@ def describe(script: Path, width: int = 100) -> str:
     """One line about a benchmark: the first sentence of its docstring."""
     doc = ast.get_docstring(ast.parse(script.read_text(errors="replace"))) or ""
     paragraph = " ".join(doc.split("\n\n")[0].split())
-    sentence = re.split(r"(?<=[\w)])\. (?=[A-Z])", paragraph)[0].rstrip(".")
+    sentence = re.split(r"(?<=[\w)])\. (?=[A-Z])", paragraph)[0]
+    if sentence.endswith(".") and not sentence.endswith("..."):
+        sentence = sentence[:-1]
     return sentence if len(sentence) <= width else sentence[:width - 1].rstrip() + "…"
 
 
