@@ -166,3 +166,38 @@ async def test_page_says_online_on_load_and_when_no_worker_serves(llama_ckpt: Pa
             raise
         finally:
             await browser.close()
+
+
+@pytest.mark.anyio
+async def test_a_message_too_long_for_the_context_does_not_break_the_chat(llama_ckpt: Path, redis_url: str,
+                                                                          tmp_path: Path) -> None:
+    """A message the worker refuses as too long is shown as refused and never sent again: the next
+    message is answered (before, every follow-up failed the same way until "New chat"). Long history
+    is trimmed from the oldest turn to fit the model's 1024 positions."""
+    async with running_worker(llama_ckpt, redis_url), running_gateway(config(redis_url)) as gw, \
+            async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=chromium(), args=CHROMIUM_ARGS)
+        page = await browser.new_page()
+        try:
+            await page.goto(gw.url)
+            await page.wait_for_selector("#status[data-status=open]", timeout=15000)
+            await settings(page, max_tokens="8", temperature="0", extra='{"ignore_eos": true}')
+            await ask(page, "paged attention " * 900)  # thousands of tokens: over the context
+            await page.wait_for_selector(".msg.assistant[data-state=error]", timeout=30000)
+            meta = await page.inner_text(".msg.assistant[data-state=error] .meta")
+            assert "invalid_request" in meta and "left out of the conversation" in meta
+            for n in range(3):  # each answered: the refused message is not in their context
+                await ask(page, f"Short question number {n}?")
+                await page.wait_for_selector(f".msg.assistant[data-state=done] >> nth={n}", timeout=30000)
+            # A long but acceptable history: older turns are left out instead of the prompt overflowing.
+            for n in range(4):
+                await ask(page, f"Another fairly long message {n}: " + "tokens and blocks " * 60)
+                await page.wait_for_selector(f".msg.assistant[data-state=done] >> nth={3 + n}", timeout=30000)
+            metas = await page.locator(".msg.assistant .meta").all_inner_texts()
+            assert any("left out to fit the model's context" in m for m in metas), metas
+            assert await page.locator(".msg.assistant[data-state=error]").count() == 1
+        except BaseException:
+            await page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
+            raise
+        finally:
+            await browser.close()

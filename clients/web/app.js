@@ -71,6 +71,8 @@ async function pollWorkers() {
     const resp = await fetch("/readyz", { cache: "no-store" });
     const body = await resp.json();
     workersAlive = body.redis ? body.workers.length : null;
+    const lens = (body.workers || []).map((w) => Number(w.max_model_len) || 0);
+    if (lens.length) maxModelLen = Math.max(...lens);
   } catch {
     workersAlive = null; // the gateway itself is away: the socket's status says so
   }
@@ -145,16 +147,49 @@ function params() {
   return p;
 }
 
-function buildRequest(promptText) {
-  if (ui.mode.value === "raw") return { prompt: promptText, params: params() };
-  const messages = [];
-  if (ui.system.value.trim()) messages.push({ role: "system", content: ui.system.value.trim() });
-  for (const m of chat.history) if (m.role === "user" || m.role === "assistant") messages.push({ role: m.role, content: m.content });
-  return { messages, params: params() };
+// The conversation sent with a message must fit the model's context (max_model_len, from the workers'
+// heartbeats via /readyz). Tokens are estimated from characters, at a ratio learned from the worker's
+// own count whenever it refuses a prompt as too long; the oldest turns are left out first.
+let maxModelLen = 0;
+let tokensPerChar = 0.5;
+const estimate = (m) => Math.ceil(m.content.length * tokensPerChar) + 4;
+
+function contextMessages(promptText, maxTokens) {
+  const system = ui.system.value.trim() ? [{ role: "system", content: ui.system.value.trim() }] : [];
+  // Refused messages (and their failed answers) are never sent again.
+  const turns = chat.history.filter((m) => !m.refused && (m.role === "user" || m.role === "assistant"))
+    .map((m) => ({ role: m.role, content: m.content }));
+  const last = { role: "user", content: promptText };
+  let dropped = 0;
+  if (maxModelLen) {
+    const budget = maxModelLen - Math.min(maxTokens, maxModelLen / 2);
+    const size = () => [...system, ...turns, last].reduce((n, m) => n + estimate(m), 0);
+    while (turns.length && size() > budget) {
+      turns.shift();
+      dropped += 1;
+    }
+  }
+  return { messages: [...system, ...turns, last], dropped };
 }
 
-async function follow(stream, el, sentAt) {
-  const a = { stream, el, textEl: el.querySelector(".text"), text: "", tokens: 0, ttft: null, firstAt: 0, lastAt: 0, painting: false };
+function buildRequest(promptText) {
+  const p = params();
+  if (ui.mode.value === "raw") return { request: { prompt: promptText, params: p }, dropped: 0 };
+  const { messages, dropped } = contextMessages(promptText, p.max_tokens ?? 256);
+  return { request: { messages, params: p }, dropped };
+}
+
+// A prompt the worker found too long: learn how many tokens a character is, for the next estimate.
+function learnFromRefusal(message, sentChars) {
+  const m = /prompt has (\d+) tokens but the model allows at most (\d+)/.exec(message || "");
+  if (!m || !sentChars) return;
+  tokensPerChar = Math.max(tokensPerChar, Number(m[1]) / sentChars);
+  maxModelLen = maxModelLen || Number(m[2]) + 1;
+}
+
+async function follow(stream, el, sentAt, sentChars = 0, note = "") {
+  const a = { stream, el, textEl: el.querySelector(".text"), text: "", tokens: 0, ttft: null, firstAt: 0, lastAt: 0,
+    painting: false, sentChars, refused: false };
   current = a;
   el.dataset.state = "streaming";
   el.dataset.id = stream.id;
@@ -187,36 +222,51 @@ async function follow(stream, el, sentAt) {
   } catch (err) {
     el.dataset.state = "error";
     meta = err instanceof StreamerError ? `error ${err.code}: ${err.event.message}` : `error: ${err}`;
+    if (err instanceof StreamerError && REFUSED.has(err.code)) {
+      a.refused = true;
+      learnFromRefusal(err.event.message, a.sentChars);
+      meta += " · this message is left out of the conversation from now on: shorten it, or start a New chat";
+    }
   }
   clearTimeout(waiting);
+  if (note) meta = meta ? `${note} · ${meta}` : note;
   a.textEl.textContent = a.text;
   showStats(a);
   ui.finish.textContent = meta;
   setMeta(el, meta);
   if (current === a) current = null;
   setBusy(false);
+  el.scrollIntoView({ block: "nearest" });
   if (a.discarded) return; // "New chat" was pressed while it streamed
   chat.active = null;
-  chat.history.push({ role: "assistant", content: a.text, meta });
+  if (a.refused) {
+    const asked = chat.history[chat.history.length - 1];
+    if (asked && asked.role === "user") asked.refused = true;
+  }
+  chat.history.push({ role: "assistant", content: a.text, meta, refused: a.refused || undefined });
   save();
 }
 
+// Codes that refuse the prompt itself: resending the same message could only fail the same way.
+const REFUSED = new Set(["invalid_request", "too_large", "bad_encoding"]);
+
 function send(promptText) {
-  const request = buildRequest(promptText);
+  const { request, dropped } = buildRequest(promptText);
   chat.history.push({ role: "user", content: promptText });
   addMessage("user", promptText);
-  if (request.prompt === undefined) request.messages.push({ role: "user", content: promptText });
   const stream = getClient().generate(request);
   chat.active = { id: stream.id, started: Date.now() };
   save();
-  const el = addMessage("assistant", "");
+  const note = dropped ? `${dropped} earlier message${dropped > 1 ? "s" : ""} left out to fit the model's context` : "";
+  const el = addMessage("assistant", "", note || undefined);
+  const sentChars = (request.messages || [{ content: request.prompt }]).reduce((n, m) => n + m.content.length, 0);
   stream.onAccepted = (frame) => {
     if (frame.workers === undefined) return;
     workersAlive = frame.workers;
     paintBadge();
     if (frame.workers === 0 && !el.querySelector(".text").textContent) setMeta(el, `${NO_WORKER}; this message waits in the queue`);
   };
-  return follow(stream, el, performance.now());
+  return follow(stream, el, performance.now(), sentChars, note);
 }
 
 // --- wiring ---------------------------------------------------------------------------------------
