@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import os
 
+import numpy as np
 import torch
 
 from streamer.attention import get_backend
@@ -79,8 +81,8 @@ class ModelRunner:
         self.key_caches, self.value_caches = [], []
         for layer in self.model.layers:
             attn = layer.self_attn.attn
-            attn.key_cache = torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
-            attn.value_cache = torch.zeros(shape, dtype=self.model_config.dtype, device=self.device)
+            attn.key_cache = _zeros(shape, self.model_config.dtype, self.device)
+            attn.value_cache = _zeros(shape, self.model_config.dtype, self.device)
             self.key_caches.append(attn.key_cache)
             self.value_caches.append(attn.value_cache)
 
@@ -122,3 +124,15 @@ def _available_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed cache tensor. On the CPU its pages come zeroed from the kernel on first touch
+    (calloc'ed through numpy), instead of torch.zeros writing every byte before the worker can start:
+    a 2 GiB cache cost ~1-3 s of start-up that way, and pages never used are never committed."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(nbytes + 64, dtype=np.uint8)
+    start = -raw.ctypes.data % 64  # 64-byte aligned, as torch's own CPU allocations are
+    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
