@@ -9,6 +9,7 @@ from workers.default_model import (
     DIST_NAME,
     INSTALL_HINT,
     check_model_dir,
+    convert_gguf,
     ensure_default_model,
     find_gguf,
     is_converted,
@@ -55,6 +56,15 @@ def test_converted_checkpoint_is_a_normal_hf_directory(smollm2: Path) -> None:
     assert len(tok) == 49152 and tok.eos_token == "<|im_end|>"
     text = tok.apply_chat_template(FRANCE, add_generation_prompt=True, tokenize=False)
     assert text.endswith("<|im_start|>assistant\n") and "capital of France" in text
+
+
+def test_conversion_shows_only_its_own_progress(tmp_path: Path, capfd) -> None:
+    """`streamer up` prints its phases; the GGUF reader's tqdm bar must not cut into them."""
+    steps: list[str] = []
+    convert_gguf(find_gguf(), tmp_path / "model", progress=steps.append)
+    out, err = capfd.readouterr()
+    assert "Converting and de-quantizing" not in out + err and "it/s" not in out + err, err[-300:]
+    assert [s.strip() for s in steps] == ["reading tokenizer and config", "de-quantizing weights", "writing checkpoint"]
 
 
 def test_second_use_reuses_the_cache(smollm2: Path) -> None:

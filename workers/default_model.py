@@ -10,8 +10,10 @@ what the engine loads.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -104,7 +106,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = _stderr) -
         skeleton = AutoModelForCausalLM.from_config(config)
     config.architectures = [type(skeleton).__name__]  # GGUF has no such field; loaders use it
     progress("  de-quantizing weights")
-    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
+    # Its own tqdm bar would be a second, foreign progress display in the middle of ours.
+    with contextlib.redirect_stderr(io.StringIO()):
+        parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
     tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in parsed["tensors"].items()}
     expected = set(skeleton.state_dict())
     if config.tie_word_embeddings:
