@@ -213,19 +213,6 @@ def test_protocol_doc_examples_are_json():
 
 
 @pytest.mark.anyio
-async def test_protocol_doc_python_example_runs(llama_ckpt, redis_url):
-    """The plain redis-py example of docs/protocol.md, pointed at the test server, as a subprocess."""
-    doc = (ROOT / "docs" / "protocol.md").read_text()
-    code = doc.split("### Python (redis-py", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
-    assert "r = redis.Redis()" in code
-    code = code.replace("r = redis.Redis()", f"r = redis.Redis.from_url({redis_url!r})")
-    async with running_worker(llama_ckpt, redis_url):
-        out = await anyio.run_process([sys.executable, "-c", code], check=False)
-    assert out.returncode == 0, out.stderr.decode()
-    assert out.stdout.decode().strip()
-
-
-@pytest.mark.anyio
 async def test_reads_only_what_the_engine_can_admit(llama_ckpt, redis_url):
     """With room for 2 sequences the worker takes 2 jobs at a time (plus finished ones awaiting their
     ack); the rest of the backlog stays undelivered in Redis, free for other workers."""
