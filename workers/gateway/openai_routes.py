@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -24,11 +24,9 @@ from starlette.routing import Route
 
 from clients.backoff import TRANSIENT
 from clients.errors import ProtocolError
-from clients.protocol import ID_RE, VERSION, Limits
+from clients.protocol import ID_RE, VERSION
 from workers.gateway.admission import check_job
-from workers.gateway.config import GatewayConfig
-from workers.gateway.hub import Hub
-from workers.gateway.metrics import Metrics
+from workers.gateway.openai_jobs import Gateway, JobStream
 from workers.gateway.openai_request import OpenAIError, OpenAIRequest, bad, parse_chat, parse_completion
 from workers.gateway.openai_response import Assembler, StreamMeta
 from workers.gateway.openai_stream import Position, sse_events
@@ -36,28 +34,6 @@ from workers.gateway.routes import key_ok
 
 log = logging.getLogger("streamer.gateway")
 _MODELS_TTL_S = 2.0  # how long the list of served models is reused
-
-
-class Gateway(Protocol):
-    """What the API needs of the gateway that serves it (server.py's `Gateway`)."""
-
-    config: GatewayConfig
-    hub: Hub
-    metrics: Metrics
-    limits: Limits
-    started_wall: float
-    http_streams: dict[str, int]  # request id -> HTTP streams relaying it now
-    draining: asyncio.Event  # set when the gateway starts shutting down
-
-    def prompt_limit(self) -> int: ...
-
-    def keep(self, request_id: str) -> None:
-        """Resumed: no grace-period cancel for it."""
-        ...
-
-    def cancel_later(self, request_id: str, since_ms: float) -> None:
-        """Its client went away: cancel it after the grace period unless someone resumes it."""
-        ...
 
 
 def error_response(e: OpenAIError, request_id: str | None = None) -> JSONResponse:
@@ -206,11 +182,11 @@ class OpenAIRoutes:
         meta.jobs = [job["id"] for job in jobs]
         return jobs
 
-    async def _submit(self, meta: StreamMeta, jobs: list[dict[str, Any]]) -> _JobStream:
+    async def _submit(self, meta: StreamMeta, jobs: list[dict[str, Any]]) -> JobStream:
         hub = self.gw.hub
         claimed: list[str] = []
         pushed: list[str] = []
-        stream = _JobStream(self.gw, meta)
+        stream = JobStream(self.gw, meta)
         try:
             for job in jobs:
                 if not await hub.claim(job["id"]):
@@ -234,7 +210,7 @@ class OpenAIRoutes:
 
     # --- answers -----------------------------------------------------------------------------------
 
-    def _sse(self, request: Request, meta: StreamMeta, stream: _JobStream, after: Position, fresh: bool) -> Response:
+    def _sse(self, request: Request, meta: StreamMeta, stream: JobStream, after: Position, fresh: bool) -> Response:
         async def body() -> AsyncIterator[str]:
             try:
                 async for text in sse_events(stream.events(), Assembler(meta), meta, after, fresh):
@@ -245,7 +221,7 @@ class OpenAIRoutes:
         headers = {"X-Request-Id": meta.request_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
 
-    async def _whole(self, request: Request, meta: StreamMeta, stream: _JobStream) -> Response:
+    async def _whole(self, request: Request, meta: StreamMeta, stream: JobStream) -> Response:
         assembler = Assembler(meta)
 
         async def collect() -> None:
@@ -291,62 +267,13 @@ class OpenAIRoutes:
         self.gw.keep(rid)  # stop the grace-period cancel here and, through Redis, on any other gateway
         await self.gw.hub.announce_resume(rid)
         self.gw.metrics.inc("resumes_total")
-        stream = _JobStream(self.gw, meta)
+        stream = JobStream(self.gw, meta)
         try:
             await stream.watch(0, catch_up=True)  # from seq 0: the assembler rebuilds the first run's state
         except BaseException:
             stream.close(cancel=True)
             raise
         return self._sse(request, meta, stream, position, fresh=False)
-
-
-class _JobStream:
-    """The events of one OpenAI request's jobs, as (job index, event) in each job's seq order."""
-
-    def __init__(self, gw: Gateway, meta: StreamMeta) -> None:
-        self.gw, self.meta = gw, meta
-        self.queue: asyncio.Queue[tuple[int, dict[str, Any]]] = asyncio.Queue()
-        self.watches: dict[str, Any] = {}
-        self.finished: set[str] = set()
-
-    async def watch(self, next_seq: int, *, catch_up: bool) -> None:
-        for job, rid in enumerate(self.meta.jobs):
-            def on_event(event: dict[str, Any], _text: str, job: int = job, rid: str = rid) -> None:
-                if event.get("type") in ("done", "error"):
-                    self.finished.add(rid)
-                self.queue.put_nowait((job, event))
-
-            self.watches[rid] = await self.gw.hub.watch(rid, next_seq, on_event)
-            self.gw.http_streams[rid] = self.gw.http_streams.get(rid, 0) + 1
-            if catch_up:
-                await self.gw.hub.fill(self.watches[rid])
-
-    async def events(self) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-        remaining = len(self.meta.jobs)
-        while remaining:
-            job, event = await self.queue.get()
-            if event.get("type") != "token":
-                remaining -= 1
-            yield job, event
-
-    async def cancel_unfinished(self) -> None:
-        for rid in self.watches:
-            if rid not in self.finished:
-                with contextlib.suppress(ProtocolError):  # its keys expired meanwhile
-                    await self.gw.hub.cancel(rid)
-
-    def close(self, *, cancel: bool) -> None:
-        """Stop relaying; a job left unfinished is cancelled after the grace period unless resumed."""
-        for rid, w in self.watches.items():
-            self.gw.hub.unwatch(w)
-            count = self.gw.http_streams.get(rid, 1) - 1
-            if count > 0:
-                self.gw.http_streams[rid] = count
-            else:
-                self.gw.http_streams.pop(rid, None)
-            if cancel and rid not in self.finished:
-                self.gw.cancel_later(rid, w.started_ms)
-        self.watches.clear()
 
 
 def _no_constants(name: str) -> Any:
