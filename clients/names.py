@@ -76,6 +76,11 @@ class Names:
         """Marker set by clients on cancel, so a job cancelled before any worker read it is not run."""
         return self._of("cancelled", request_id)
 
+    def progress(self, request_id: str) -> str:
+        """How far a running job's prompt is (JSON, set by its worker every half second while the
+        prompt is computed, expiring soon after): what "processing the prompt" displays show."""
+        return self._of("progress", request_id)
+
     def openai_stream(self, request_id: str) -> str:
         """How the gateway formats an OpenAI-API request's stream (JSON), so any gateway can resume it."""
         return self._of("openai", request_id)

@@ -34,11 +34,18 @@ KEY_TTL_MS = 3_600_000
 # the queue. SET NX: a second job with the same id leaves the first one's owner in place and is refused
 # by the worker as `duplicate_id`.
 # KEYS[1] = requests stream, KEYS[2] = job:{id}; ARGV[1] = field (json | msgpack), ARGV[2] = payload,
-# ARGV[3] = owner TTL (ms). Returns the new entry id.
+# ARGV[3] = owner TTL (ms). Returns {entry id, the stream's entries-added count after it} (the count is
+# the job's ordinal, from which clients/progress.py tells its place in the queue; Redis < 7 has none).
 SUBMIT_SCRIPT = """
 local entry = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
 redis.call('SET', KEYS[2], entry, 'NX', 'PX', ARGV[3])
-return entry
+local info = redis.call('XINFO', 'STREAM', KEYS[1])
+for i = 1, #info, 2 do
+  if info[i] == 'entries-added' then
+    return {entry, info[i + 1]}
+  end
+end
+return {entry, -1}
 """
 
 # Cancel only an id that exists, in one round trip: a cancel marker is a key, and nobody must be able
@@ -57,17 +64,20 @@ return 1
 
 
 async def push_job(redis: Any, names: Names, submit: Any, request_id: str, field_name: str,
-                   payload: bytes | str) -> None:
+                   payload: bytes | str) -> int | None:
     """Push a job onto its stream and record its owner (`job:{id}`): SUBMIT_SCRIPT, one atomic round
     trip, on a single Redis. On a cluster the stream and `job:{id}` are in different slots, so they
     are two commands: a client that dies between them leaves a job whose id exists only once a
-    worker reads it (until then it cannot be cancelled); nothing else changes."""
+    worker reads it (until then it cannot be cancelled); nothing else changes.
+    Returns the job's ordinal in its stream (clients/progress.py), None where it is not known (a
+    cluster, or a Redis before 7)."""
     stream, owner = names.stream_for(request_id), names.job(request_id)
     if not names.cluster:
-        await submit(keys=[stream, owner], args=[field_name, payload, KEY_TTL_MS])
-        return
+        _entry, ordinal = await submit(keys=[stream, owner], args=[field_name, payload, KEY_TTL_MS])
+        return int(ordinal) if int(ordinal) > 0 else None
     entry = await redis.xadd(stream, {field_name: payload})
     await redis.set(owner, entry, nx=True, px=KEY_TTL_MS)
+    return None
 
 
 def connect(url: str, names: Names, **options: Any) -> Any:

@@ -10,6 +10,7 @@ import copy
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -18,11 +19,13 @@ from typing import Any
 from streamer.config import EngineConfig
 from streamer.errors import EngineDeadError
 from streamer.llm_engine import LLMEngine
-from streamer.outputs import RequestOutput
+from streamer.outputs import PromptProgress, RequestOutput
 from streamer.prompts import PromptProcessor, TokenizedPrompt
 from streamer.sampling_params import SamplingParams
 
 log = logging.getLogger("streamer.engine")
+
+PROGRESS_EVERY_S = 0.25  # how fresh prompt_progress() is
 
 
 @dataclass
@@ -54,6 +57,8 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._stats: dict[str, Any] = self.engine.stats()
         self._capacity = self.engine.admission_capacity()
+        self._progress: dict[str, PromptProgress] = {}
+        self._progress_at = 0.0
         # Prompts are tokenized on a thread of their own, with a tokenizer of their own: a long prompt
         # then delays only its own request, never a step, and encoding never contends with the
         # engine thread's decoding.
@@ -131,6 +136,10 @@ class AsyncEngine:
     def admission_capacity(self) -> int:
         return max(0, self._capacity - self._pending_adds)
 
+    def prompt_progress(self) -> dict[str, PromptProgress]:
+        """Requests still computing their prompt, as of a step at most PROGRESS_EVERY_S ago."""
+        return self._progress
+
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -206,6 +215,9 @@ class AsyncEngine:
     def _publish_stats(self) -> None:
         self._stats = self.engine.stats()
         self._capacity = self.engine.admission_capacity()
+        now = time.monotonic()
+        if now - self._progress_at >= PROGRESS_EVERY_S:  # a walk over the queues: not every step
+            self._progress, self._progress_at = self.engine.prompt_progress(), now
 
     def _call(self, fn: Any, *args: Any) -> None:
         assert self._loop is not None

@@ -16,7 +16,7 @@ from streamer.executor import make_executor
 from streamer.fault_isolation import execute_isolated
 from streamer.model_config import ModelConfig
 from streamer.output_processor import OutputProcessor
-from streamer.outputs import RequestOutput
+from streamer.outputs import PromptProgress, RequestOutput
 from streamer.prompts import PromptProcessor, TokenizedPrompt
 from streamer.request import Request, Sequence
 from streamer.sampler import Sampler
@@ -43,7 +43,9 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         torch.manual_seed(config.seed)
         self.model_config = ModelConfig.load(config.model, config.dtype, self.device, config.max_model_len)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_config.path))
+        # Handed the config, AutoTokenizer does not resolve it again (hf_config.py: a second of imports).
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_config.path),
+                                                       config=self.model_config.hf_config)
         self.eos_token_ids = frozenset(_eos_token_ids(self.model_config.path, self.tokenizer))
         self.runner = make_executor(config, self.model_config, self.device, Sampler(self.eos_token_ids, config.seed))
         # A sequence can never outgrow the whole cache, so cap its length there.
@@ -123,6 +125,9 @@ class LLMEngine:
 
     def admission_capacity(self) -> int:
         return self.scheduler.admission_capacity()
+
+    def prompt_progress(self) -> dict[str, PromptProgress]:
+        return self.scheduler.prompt_progress()
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -8,13 +8,9 @@ from typing import Any
 
 import torch
 
+from streamer.architectures import SUPPORTED_ARCHITECTURES
 from streamer.errors import ConfigError
-
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+from streamer.hf_config import load_hf_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,13 +31,11 @@ class ModelConfig:
 
     @classmethod
     def load(cls, path: str, dtype: str | None, device: torch.device, max_model_len: int | None) -> ModelConfig:
-        from transformers import AutoConfig
-
         root = Path(path).expanduser()
         if not (root / "config.json").is_file():
             raise FileNotFoundError(f"no config.json in {root}: --model must be a local Hugging Face "
                                     "checkpoint directory")
-        hf = AutoConfig.from_pretrained(str(root))
+        hf = load_hf_config(root)
         archs = getattr(hf, "architectures", None) or []
         if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
             raise UnsupportedModelError(

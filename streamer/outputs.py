@@ -5,6 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class PromptProgress:
+    """A request that has not produced its first token yet: how much of its prompt is computed."""
+
+    computed_tokens: int  # prompt tokens with K/V in the cache (prefix-cache hits included)
+    prompt_tokens: int
+    scheduled: bool  # False: waiting in the engine's queue for room
+
+
 @dataclass
 class CompletionOutput:
     index: int

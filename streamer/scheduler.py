@@ -19,6 +19,7 @@ from streamer.beam_search import Selection
 from streamer.beams import Beams
 from streamer.block_manager import BlockManager
 from streamer.errors import QueueFullError
+from streamer.outputs import PromptProgress
 from streamer.request import Request, SeqStatus, Sequence
 from streamer.scheduler_output import EngineCoreOutputs, ScheduledSeq, SchedulerOutput, SeqUpdate
 from streamer.scheduler_stats import SchedulerStats
@@ -280,6 +281,16 @@ class Scheduler:
     # ---- introspection -----------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def prompt_progress(self) -> dict[str, PromptProgress]:
+        """Requests still computing their prompt (or waiting to), by id: for "processing the prompt"
+        displays while a long prompt runs in chunks over many steps."""
+        progress = {}
+        for seq in (*self.running, *self.waiting):
+            if seq.num_computed_tokens < seq.num_prompt_tokens and seq.request_id not in progress:
+                progress[seq.request_id] = PromptProgress(seq.num_computed_tokens, seq.num_prompt_tokens,
+                                                          seq.status is SeqStatus.RUNNING)
+        return progress
 
     def admission_capacity(self) -> int:
         """How many more requests can start soon: none while some already wait, and none while

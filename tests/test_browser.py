@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from playwright.async_api import Page, async_playwright
-from redis_worker_helpers import read_events, running_worker, tokens_of, wait_for
+from redis_worker_helpers import long_context_checkpoint, read_events, running_worker, tokens_of, wait_for
 from test_gateway import config
 
 from workers.gateway.server import running_gateway
@@ -105,6 +105,10 @@ async def test_page_streams_stops_and_resumes_after_reload(llama_ckpt: Path, red
             await page.wait_for_selector(f".msg.assistant[data-id='{rid2}'][data-state=done]", timeout=30000)
             _, _, text2 = await last_answer(page)
             events2 = read_events(redis_url, rid2)
+            # What was written before the reload came back as a replay: not in tokens/s, no TTFT.
+            replayed = int(await page.get_attribute(f".msg.assistant[data-id='{rid2}']", "data-replayed"))
+            assert 0 < replayed <= len(tokens_of(events2))
+            assert await page.inner_text("#ttft") == "–"
             # "length": 400 tokens, or fewer when the history (the first answer is in the chat
             # template) leaves less room in the tiny model's 1024 positions.
             assert events2[-1]["finish_reason"] == "length"
@@ -201,3 +205,47 @@ async def test_a_message_too_long_for_the_context_does_not_break_the_chat(llama_
             raise
         finally:
             await browser.close()
+
+
+async def wait_for_meta(page: Page, pattern: str, timeout_ms: int) -> None:
+    """Until the newest message's meta line matches the (JavaScript) regular expression."""
+    await page.wait_for_function(
+        "(p) => new RegExp(p).test(document.querySelector('.msg.assistant:last-child .meta')?.textContent || '')",
+        arg=pattern, timeout=timeout_ms)
+
+
+@pytest.mark.anyio
+async def test_page_shows_the_queue_place_and_the_prompt_progress(redis_url: str, tmp_path: Path) -> None:
+    """Before its first token a message says where it is: behind another job in the queue, then its
+    long prompt's progress (before: "waiting for a worker…" for the whole prefill)."""
+    import redis.asyncio as aioredis
+
+    from clients.protocol import encode_job
+
+    ckpt = long_context_checkpoint(tmp_path / "long")
+    r = aioredis.Redis.from_url(redis_url)
+    # One sequence at a time and 16-token chunks: an 8000-token prompt keeps the worker busy for seconds.
+    engine = {"max_num_seqs": 1, "max_num_batched_tokens": 16, "num_kv_blocks": 1100}
+    async with running_worker(ckpt, redis_url, engine=engine, progress_every_s=0.05), \
+            running_gateway(config(redis_url, status_every_s=0.1)) as gw, async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=chromium(), args=CHROMIUM_ARGS)
+        page = await browser.new_page()
+        try:
+            await page.goto(gw.url)
+            await page.wait_for_selector("#status[data-status=open]", timeout=15000)
+            await settings(page, max_tokens="4", temperature="0", extra='{"ignore_eos": true}')
+            busy = {"id": "busy", "prompt_token_ids": [3 + i % 400 for i in range(8000)], "params": {"max_tokens": 1}}
+            await r.xadd("llm:requests", encode_job(busy))
+            await ask(page, "Am I next?")
+            await wait_for_meta(page, "queued: next in line", 15000)
+            await page.wait_for_selector(".msg.assistant[data-state=done]", timeout=60000)
+            await ask(page, "paged attention " * 1000)
+            await wait_for_meta(page, r"processing the prompt: \d+% \([\d,]+ / [\d,]+ tokens\)", 30000)
+            await page.wait_for_selector(".msg.assistant[data-state=done] >> nth=1", timeout=90000)
+            assert "processing" not in await page.inner_text(".msg.assistant:last-child .meta")
+        except BaseException:
+            await page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
+            raise
+        finally:
+            await browser.close()
+            await r.aclose()

@@ -172,7 +172,8 @@ def test_up_serves_the_real_model_and_ctrl_c_stops_everything(smollm2_cache: Pat
 
     port = free_port()
     # The KV-cache size reaches the worker through the environment: `up` passes STREAMER_* on.
-    up = Up("--port", str(port), "--device", "cpu",
+    # No --device: the worker picks it, and `up` shows the one from its heartbeat.
+    up = Up("--port", str(port),
             env={"STREAMER_CACHE": str(smollm2_cache), "STREAMER_KV_CACHE_MEMORY_GB": "0.25"})
     pids: list[int] = []
     try:
@@ -181,6 +182,7 @@ def test_up_serves_the_real_model_and_ctrl_c_stops_everything(smollm2_cache: Pat
         out = up.text()
         for phase in ("redis", "model", "worker", "gateway"):
             assert re.search(rf"{phase} ready in \d+\.\ds", out), out
+        assert re.search(r"^      on cpu$", out, re.M), out
         assert f"chat page:  http://127.0.0.1:{port}/" in out
         pids = children_of(up.proc.pid)
         assert len(pids) == 3, (pids, out)  # redis-server, worker, gateway
@@ -211,6 +213,17 @@ def test_up_serves_the_real_model_and_ctrl_c_stops_everything(smollm2_cache: Pat
         for pid in pids:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_up_itself_never_imports_torch(llama_ckpt: Path) -> None:
+    """torch (a second to import) loads only in the worker, which picks the device: `up` checking the
+    model and waiting for its children must not pay for it before the worker even starts."""
+    code = ("import sys; from workers.cli import main, up; from workers.default_model import resolve_model; "
+            "resolve_model(sys.argv[1]); print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'transformers')))")
+    out = subprocess.run([sys.executable, "-c", code, str(llama_ckpt)], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout[:500]
 
 
 def test_worker_failing_at_startup_stops_everything(llama_ckpt: Path) -> None:

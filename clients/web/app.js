@@ -39,7 +39,7 @@ function getClient() {
   clientToken = token;
   localStorage.setItem(`${STORE}.token`, token);
   const url = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws`;
-  client = new StreamerClient(url, { token: token || undefined, onStatus: showStatus });
+  client = new StreamerClient(url, { token: token || undefined, onStatus: showStatus, progress: true });
   client.connect(); // the badge tells the truth from the start, before anything is sent
   return client;
 }
@@ -109,11 +109,31 @@ function fmtMs(ms) {
   return ms < 1000 ? `${Math.round(ms)} ms` : `${(ms / 1000).toFixed(2)} s`;
 }
 
+// Tokens/s counts only tokens generated while we watched: after a resume, the replayed ones arrive
+// in a burst and would inflate it.
 function showStats(a) {
   ui.ttft.textContent = a.ttft == null ? "–" : fmtMs(a.ttft);
   const span = (a.lastAt - a.firstAt) / 1000;
-  ui.tps.textContent = a.tokens > 1 && span > 0 ? ((a.tokens - 1) / span).toFixed(1) : "–";
+  ui.tps.textContent = a.live > 1 && span > 0 ? ((a.live - 1) / span).toFixed(1) : "–";
   ui.ntok.textContent = String(a.tokens);
+}
+
+// Where the request is before its first token (the gateway's `status` frames).
+function describeProgress(f) {
+  if (f.state === "queued") {
+    if (workersAlive === 0) return `${NO_WORKER}; this message waits in the queue`;
+    if (f.position === undefined) return "queued, waiting for a worker…";
+    return f.position === 0 ? "queued: next in line" : `queued: ${f.position} request${f.position > 1 ? "s" : ""} ahead`;
+  }
+  if (f.state === "starting") return "a worker took it: preparing the prompt…";
+  const done = `${f.computed.toLocaleString()} / ${f.total.toLocaleString()} tokens`;
+  if (f.state === "waiting") return `waiting for room on the worker (${done} of the prompt computed)`;
+  return `processing the prompt: ${Math.floor((100 * f.computed) / f.total)}% (${done})`;
+}
+
+function keepInView(el) {
+  const nearBottom = ui.log.scrollHeight - ui.log.scrollTop - ui.log.clientHeight < 160;
+  if (nearBottom) el.scrollIntoView({ block: "nearest" });
 }
 
 // Paint at most once per frame: many tokens can arrive between two frames.
@@ -188,8 +208,8 @@ function learnFromRefusal(message, sentChars) {
 }
 
 async function follow(stream, el, sentAt, sentChars = 0, note = "") {
-  const a = { stream, el, textEl: el.querySelector(".text"), text: "", tokens: 0, ttft: null, firstAt: 0, lastAt: 0,
-    painting: false, sentChars, refused: false };
+  const a = { stream, el, textEl: el.querySelector(".text"), text: "", tokens: 0, live: 0, ttft: null, firstAt: 0,
+    lastAt: 0, painting: false, sentChars, refused: false, progress: null };
   current = a;
   el.dataset.state = "streaming";
   el.dataset.id = stream.id;
@@ -197,19 +217,30 @@ async function follow(stream, el, sentAt, sentChars = 0, note = "") {
   ui.finish.textContent = "";
   showStats(a);
   let meta = "";
-  // Until the first token: say so if it takes a while (a long queue, or no worker running).
-  const waiting = setTimeout(() => a.firstAt || el.querySelector(".meta") || setMeta(el, "waiting for a worker…"), 2000);
+  // Until the first token: where the request is (queued at place N, its prompt N% computed), or,
+  // without word from the gateway, that it is waiting.
+  stream.onProgress = (frame) => {
+    if (a.tokens) return;
+    a.progress = frame;
+    setMeta(el, describeProgress(frame));
+    keepInView(el);
+  };
+  const waiting = setTimeout(() => a.tokens || el.querySelector(".meta") || setMeta(el, "waiting for a worker…"), 2000);
   try {
     for await (const event of stream) {
       const now = performance.now();
       if (event.type === "token") {
-        if (!a.firstAt) {
-          a.firstAt = now;
-          if (sentAt != null) a.ttft = now - sentAt;
-          el.querySelector(".meta")?.remove();
+        const n = event.token_ids ? event.token_ids.length : 1;
+        if (!a.tokens) el.querySelector(".meta")?.remove();
+        if (event.seq > stream.replayedThrough) { // generated now, not replayed after a resume
+          if (!a.live) {
+            a.firstAt = now;
+            if (sentAt != null) a.ttft = now - sentAt;
+          }
+          a.live += n;
+          a.lastAt = now;
         }
-        a.lastAt = now;
-        a.tokens += event.token_ids ? event.token_ids.length : 1;
+        a.tokens += n;
         a.text += event.text;
         paint(a);
       } else if (event.type === "done") {
@@ -229,6 +260,7 @@ async function follow(stream, el, sentAt, sentChars = 0, note = "") {
     }
   }
   clearTimeout(waiting);
+  el.dataset.replayed = String(a.tokens - a.live); // tokens replayed after a resume, not in tokens/s
   if (note) meta = meta ? `${note} · ${meta}` : note;
   a.textEl.textContent = a.text;
   showStats(a);

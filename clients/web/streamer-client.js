@@ -42,6 +42,12 @@ export class Stream {
     this.accepted = false;
     this.workers = undefined;
     this.onAccepted = () => {}; // called with the `accepted` frame ({ id, workers })
+    // With the client's `progress` option, until the first event: `status` frames ({ state: "queued",
+    // position } | { state: "starting" } | { state: "waiting" | "prefill", computed, total }).
+    this.onProgress = () => {};
+    // With `progress`, on a resume: events up to `last_seq` are replayed from Redis, not generated now.
+    this.replayedThrough = -1;
+    this.onResumed = () => {};
     this._events = [];
     this._wake = null;
   }
@@ -103,6 +109,8 @@ export class StreamerClient {
    * @param {boolean} [options.reconnect]     reconnect and resume after a drop (default true)
    * @param {number} [options.maxBackoffMs]   longest wait between reconnect attempts (default 5000)
    * @param {Function} [options.onStatus]     called with "connecting" | "open" | "reconnecting" | "closed"
+   * @param {boolean} [options.progress]      ask for `status` frames before the first token and a
+   *                                          `resumed` frame on resume (Stream.onProgress, onResumed)
    */
   constructor(url, options = {}) {
     this.url = options.token ? `${url}${url.includes("?") ? "&" : "?"}token=${encodeURIComponent(options.token)}` : url;
@@ -111,6 +119,7 @@ export class StreamerClient {
     this.reconnect = options.reconnect !== false;
     this.maxBackoffMs = options.maxBackoffMs ?? 5000;
     this.onStatus = options.onStatus || (() => {});
+    this.progress = options.progress === true;
     this.status = "closed";
     this._streams = new Map(); // id -> Stream, while unfinished
     this._outbox = []; // frames waiting for the socket to open
@@ -133,7 +142,7 @@ export class StreamerClient {
   generate(request) {
     const id = request.id || randomId();
     const stream = this._track(new Stream(this, id, -1));
-    stream.request = { ...request, type: "generate", id };
+    stream.request = { ...request, type: "generate", id, ...(this.progress ? { progress: true } : {}) };
     this._send(stream.request);
     return stream;
   }
@@ -171,7 +180,7 @@ export class StreamerClient {
   }
 
   _resumeFrame(stream) {
-    return { type: "resume", id: stream.id, after_seq: stream.lastSeq };
+    return { type: "resume", id: stream.id, after_seq: stream.lastSeq, ...(this.progress ? { progress: true } : {}) };
   }
 
   _send(frame) {
@@ -257,6 +266,11 @@ export class StreamerClient {
     if (!stream) {
       if (event.type === "error") this.lastError = event;
       return;
+    }
+    if (event.type === "status") return stream.onProgress(event);
+    if (event.type === "resumed") {
+      stream.replayedThrough = event.last_seq;
+      return stream.onResumed(event);
     }
     if (event.type === "error" && event.source === "gateway" && event.code === "duplicate_id" && stream.retried) {
       stream.retried = false;

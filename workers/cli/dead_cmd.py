@@ -177,7 +177,7 @@ def _requeue(client: redis.Redis, names: Names, args: argparse.Namespace) -> Non
         with client.pipeline(transaction=True) as pipe:  # pushed and removed from the dead letters together
             submit(keys=[stream, names.job(job.id)], args=[encoding, raw, KEY_TTL_MS], client=pipe)
             pipe.xdel(names.dead, dead_id)
-            entry, _ = pipe.execute()
+            (entry, _ordinal), _ = pipe.execute()
     print(f"requeued dead letter {dead_id} (request {job.id}) as entry {_text(entry)} of {stream}")
 
 

@@ -1,7 +1,8 @@
 """`streamer up`: everything on one machine, no Docker.
 
 Phases, each timed: Redis (a private redis-server on a free port, unless --redis URL), the model
-(the built-in SmolLM2 is converted on first run), one worker on the best device, the gateway.
+(the built-in SmolLM2 is converted on first run), one worker on the best device (it picks it), and the
+gateway, started while the worker loads the model.
 Then it prints the chat page URL and waits. Ctrl-C (or SIGTERM/SIGHUP) stops the gateway, then
 the worker, then Redis, and exits.
 
@@ -80,20 +81,23 @@ def check_port_free(host: str, port: int) -> None:
             raise UserError(f"cannot listen on {host}:{port} ({exc.strerror}): check --host") from exc
 
 
-def best_device(requested: str | None) -> str:
-    if requested:
-        return requested
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def worker_names(url: str, prefix: str) -> set[str]:
     """Consumer names of the workers alive on this Redis, from the heartbeat set (no key scan)."""
     cluster = check_redis(url)
     client = sync_client(url, cluster=cluster)
     try:
         return set(live_workers(client, Names(prefix=prefix, cluster=cluster)))
+    finally:
+        client.close()
+
+
+def worker_device(url: str, prefix: str, name: str) -> str:
+    """The device a live worker runs on (its heartbeat's stats hash), "" when not known."""
+    cluster = check_redis(url)
+    client = sync_client(url, cluster=cluster)
+    try:
+        device = client.hget(Names(prefix=prefix, cluster=cluster).worker(name), "device")
+        return device.decode() if device else ""
     finally:
         client.close()
 
@@ -185,28 +189,36 @@ def _start_all(args: argparse.Namespace, local_host: str, port: int, phases: Pha
 
         model = str(resolve_model(args.model, progress=lambda m: print("      " + m.strip(), flush=True)))
 
-    setup = Setup(redis_url, model, best_device(args.device), local_host, port)
     # The Redis URL goes by environment, not argv: a password in it stays out of `ps`.
     # On Ctrl-C the gateway is already gone when the worker stops: nobody reads the rest of
     # its answers, so it need not wait long for them (unless STREAMER_GRACE says otherwise).
     child_env = {"STREAMER_REDIS": redis_url,
                  "STREAMER_GRACE": os.environ.get("STREAMER_GRACE") or str(WORKER_GRACE_S)}
-    with phases.phase("worker", f"Worker: loading the model on {setup.device}"):
+    with phases.phase("worker", "Worker: loading the model" + (f" on {args.device}" if args.device else "")):
         # With a shared Redis other workers may be there already: wait for a new heartbeat.
         before = worker_names(redis_url, args.prefix)
+        # The worker picks the best device itself: importing torch here would cost a second.
         started.start(Child("worker", ["worker", "--model", model, "--prefix", args.prefix,
-                                       "--device", setup.device], env=child_env))
-        wait_until(lambda: bool(worker_names(redis_url, args.prefix) - before), started.children,
-                   args.startup_timeout, "loading the model")
-
-    with phases.phase("gateway", f"Gateway on {args.host}:{setup.port}"):
-        started.start(Child("gateway", ["gateway", "--host", args.host, "--port", str(setup.port),
+                                       *(["--device", args.device] if args.device else [])], env=child_env))
+        # The gateway needs no worker to start: it comes up while the model loads.
+        started.start(Child("gateway", ["gateway", "--host", args.host, "--port", str(port),
                                         "--prefix", args.prefix,
                                         *(["--insecure-no-auth"] if args.insecure_no_auth else [])],
                             env=child_env))
-        wait_until(lambda: http_status(f"http://{setup.host}:{setup.port}/healthz") == 200,
+        new: list[str] = []
+
+        def worker_ready() -> bool:
+            new[:] = sorted(worker_names(redis_url, args.prefix) - before)
+            return bool(new)
+
+        wait_until(worker_ready, started.children, args.startup_timeout, "loading the model")
+        device = args.device or worker_device(redis_url, args.prefix, new[0]) or "?"
+        print(f"      on {device}", flush=True)
+
+    with phases.phase("gateway", f"Gateway on {args.host}:{port} (started beside the worker)"):
+        wait_until(lambda: http_status(f"http://{local_host}:{port}/healthz") == 200,
                    started.children, 60.0, "starting the gateway")
-    return setup
+    return Setup(redis_url, model, device, local_host, port)
 
 
 def _start_redis(url: str | None, started: Started) -> str:

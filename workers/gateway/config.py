@@ -38,6 +38,7 @@ class GatewayConfig:
     cancel_grace_s: float = 10.0  # a closed socket's requests are cancelled after this, unless resumed
     request_ttl_s: float = 3600.0  # lifetime of the gateway's id claims and cancel markers
     idle_poll_s: float = 5.0  # a watched request silent this long has its stream re-read
+    status_every_s: float = 1.0  # `status` frames (queue place, prompt progress) for requests asking
     close_timeout_s: float = 5.0
     web_root: Path = field(default=WEB_ROOT)
 

@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from clients.backoff import TRANSIENT, Backoff
 from clients.errors import ProtocolError
 from clients.heartbeats import as_names, live_args, live_script
+from clients.progress import JobStatus, job_statuses
 from clients.protocol import Names, decode_message, decode_payload, encode_job, event_stream_id, split_fields
 from clients.redis_client import CANCEL_SCRIPT, SUBMIT_SCRIPT, push_job
 from workers.gateway.metrics import Metrics
@@ -128,12 +129,18 @@ class Hub:
         """Undo a claim whose job was never pushed (best effort: it expires anyway)."""
         await self.redis.delete(self._claim_key(request_id))
 
-    async def push(self, job: dict[str, Any]) -> None:
+    async def push(self, job: dict[str, Any]) -> int | None:
         """Queue a job (already checked with protocol.parse_job, its id claimed), recording its entry as
-        the owner of the id (`job:{id}`, as workers do when they read it)."""
+        the owner of the id (`job:{id}`, as workers do when they read it). Returns its ordinal in its
+        stream (None: not known), for `statuses`."""
         ((field_name, payload),) = encode_job(job, "json").items()
-        await push_job(self.redis, self.names, self._submit, job["id"], field_name, payload)
+        ordinal = await push_job(self.redis, self.names, self._submit, job["id"], field_name, payload)
         self.metrics.inc("requests_total")
+        return ordinal
+
+    async def statuses(self, jobs: dict[str, int | None]) -> dict[str, JobStatus]:
+        """Where each job (id -> ordinal) is now: queued (at which place), or its prompt's progress."""
+        return await job_statuses(self.redis, self.names, jobs)
 
     async def backlog(self) -> int:
         """Entries on the request streams: jobs no worker has read yet plus those being served."""

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from clients.backoff import TRANSIENT
 from clients.errors import ProtocolError
+from clients.progress import JobStatus
 from clients.protocol import ID_RE, VERSION, Limits, readable_id
 from workers.gateway.admission import check_job
 from workers.gateway.config import GatewayConfig
@@ -59,6 +60,11 @@ def _frame_id(obj: dict[str, Any]) -> str | None:
     return rid if isinstance(rid, str) and ID_RE.match(rid) else None
 
 
+def _wants_progress(obj: dict[str, Any]) -> bool:
+    """`"progress": true` in a generate or resume frame asks for `status` and `resumed` frames."""
+    return obj.get("progress") is True
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
@@ -93,20 +99,25 @@ class Session:
         self.prompt_limit = prompt_limit  # longest prompt_token_ids a worker can take now (0: unknown)
         self.workers_alive = workers_alive  # live workers the gateway last saw (None: not known yet)
         self.requests: dict[str, Watch] = {}
+        # Requests whose client asked for `status` frames (`"progress": true`) until their first event:
+        # id -> ordinal in its stream (None: not known), and the status last sent.
+        self.progress: dict[str, int | None] = {}
+        self._sent_status: dict[str, JobStatus] = {}
         self._queue: deque[tuple[str, int]] = deque()
         self._queued_bytes = 0
         self._wake = asyncio.Event()
         self.closing = False
 
     async def run(self) -> None:
-        writer = asyncio.create_task(self._writer())
+        tasks = [asyncio.create_task(self._writer()), asyncio.create_task(self._status_loop())]
         try:
             async for frame in self.ws.frames():
                 await self._handle(frame)
         finally:
             self.closing = True
-            writer.cancel()
-            await asyncio.gather(writer, return_exceptions=True)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             unfinished, self.requests = self.requests, {}
             for rid, w in unfinished.items():
                 self.hub.unwatch(w)
@@ -211,7 +222,7 @@ class Session:
                                 "per connection: wait for one to finish or cancel one", rid)
 
     async def _generate(self, obj: dict[str, Any]) -> None:
-        fields = {k: v for k, v in obj.items() if k != "type"}
+        fields = {k: v for k, v in obj.items() if k not in ("type", "progress")}
         picked = fields.get("id") is None
         if picked:
             fields["id"] = uuid.uuid4().hex
@@ -229,7 +240,9 @@ class Session:
             # Subscribed before the job exists, so the first token cannot be missed.
             await self._watch(rid, 0, catch_up=False)
             self.send(json.dumps(self._accepted(rid)))
-            await self.hub.push(job)
+            ordinal = await self.hub.push(job)
+            if _wants_progress(obj):
+                self.progress[rid] = ordinal
         except BaseException:
             self._forget(rid)
             with contextlib.suppress(Exception):  # so that a retry with the same id is not a duplicate
@@ -259,6 +272,12 @@ class Session:
             raise ProtocolError("invalid_request", f"`after_seq` {after} is beyond request {rid!r}'s last "
                                 f"event (seq {last_seq}); resume after a seq you received, or -1", rid)
         self.metrics.inc("resumes_total")
+        if _wants_progress(obj):
+            # What follows up to `last_seq` is replayed from Redis, not generated now: a client's
+            # time to first token and tokens/s leave it out.
+            self.send(json.dumps({"type": "resumed", "id": rid, "last_seq": last_seq}))
+            if last_seq < 0:
+                self.progress[rid] = None
         await self._watch(rid, after + 1, catch_up=True)
 
     async def _cancel(self, obj: dict[str, Any]) -> None:
@@ -285,6 +304,28 @@ class Session:
             except BaseException:
                 self._forget(rid)
                 raise
+
+    async def _status_loop(self) -> None:
+        """Every status_every_s, a `status` frame for each request that asked for one and has no event
+        yet, when its status changed."""
+        if self.cfg.status_every_s <= 0:
+            return
+        while True:
+            await asyncio.sleep(self.cfg.status_every_s)
+            for rid in [rid for rid in self.progress if rid not in self.requests or self.requests[rid].next_seq]:
+                self.progress.pop(rid, None)
+                self._sent_status.pop(rid, None)
+            if not self.progress:
+                continue
+            try:
+                statuses = await self.hub.statuses(dict(self.progress))
+            except (*TRANSIENT, ValueError) as e:  # only a display: the next round tries again
+                log.debug("connection %s: no status this round: %r", self.ws.id, e)
+                continue
+            for rid, status in statuses.items():
+                if rid in self.progress and self._sent_status.get(rid) != status:
+                    self._sent_status[rid] = status
+                    self.send(json.dumps(status.frame(rid)))
 
     def _forget(self, rid: str) -> None:
         w = self.requests.pop(rid, None)

@@ -22,6 +22,7 @@ class WorkerConfig:
     events_ttl_s: float = 3600.0
     claim_idle_s: float = 30.0  # an entry idle this long belongs to a dead worker and is reclaimed
     heartbeat_s: float = 0.0  # 0: claim_idle_s / 4, at most 5 s
+    progress_every_s: float = 0.5  # how often a long prompt's progress is written (progress.py)
     max_deliveries: int = 5  # a job delivered more often than this (it keeps killing workers) is dead
     grace_s: float = 30.0  # SIGTERM: time to finish in-flight jobs before leaving them to others
     block_ms: int = 1000

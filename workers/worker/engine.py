@@ -7,6 +7,7 @@ from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
 from streamer import RequestOutput, SamplingParams
+from streamer.outputs import PromptProgress
 from streamer.prompts import TokenizedPrompt
 
 
@@ -28,6 +29,10 @@ class Engine(Protocol):
     async def render_chat(self, messages: list[dict[str, str]]) -> TokenizedPrompt:
         """The checkpoint's chat template applied and tokenized (ValueError when it has none, or when
         the result is too long for the model)."""
+        ...
+
+    def prompt_progress(self) -> dict[str, PromptProgress]:
+        """Requests still computing their prompt (fresh to a fraction of a second), by id."""
         ...
 
     def token_texts(self, token_ids: list[int]) -> list[str]:

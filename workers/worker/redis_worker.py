@@ -1,7 +1,8 @@
 """The Redis streaming worker: jobs from a consumer group in, per-request events out (docs/protocol.md).
 
 Task layout (anyio, one task group each, nothing outlives `Worker.run`):
-  services: event writer, heartbeat (stats + keeping our pending entries fresh), cancel listener
+  services: event writer, heartbeat (stats + keeping our pending entries fresh), cancel listener,
+            prompt progress of long prompts (progress.py)
   reading:  XREADGROUP reader (intake) and XAUTOCLAIM reclaimer, both stopped first on shutdown
   jobs:     one task per request (a `JobRunner.run`), each owning its engine stream; cancelled (not
             answered) when the shutdown grace period runs out, so another worker resumes them
@@ -32,6 +33,7 @@ from workers.worker.event_writer import EventWriter
 from workers.worker.heartbeat import Heartbeat
 from workers.worker.intake import Intake
 from workers.worker.job import JobRunner
+from workers.worker.progress import ProgressReporter
 from workers.worker.reclaim import Reclaimer
 from workers.worker.state import WorkerState
 
@@ -65,6 +67,8 @@ class Worker:
         self.cancels = CancelListener(self.redis, self.names, engine, self.state)
         self._leave_group = self.redis.register_script(_LEAVE_GROUP)
         self.heartbeat = Heartbeat(self.redis, config, engine, self.state, self.writer, self.cancels)
+        self.progress = ProgressReporter(self.redis, self.names, engine, self.state, config.consumer,
+                                         config.progress_every_s)
 
     @property
     def ready(self) -> anyio.Event:
@@ -93,6 +97,7 @@ class Worker:
                 services.start_soon(self.writer.run)
                 services.start_soon(self.heartbeat.loop)
                 services.start_soon(self.cancels.listen)
+                services.start_soon(self.progress.loop)
                 async with anyio.create_task_group() as jobs:
                     await self._read_until_stopped(jobs)
                     await self._finish_jobs(jobs)
