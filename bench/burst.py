@@ -39,6 +39,7 @@ import redis  # noqa: E402
 
 from clients.heartbeats import live_workers  # noqa: E402
 from clients.protocol import Names  # noqa: E402
+from workers.progress_display import task  # noqa: E402
 from workers.redis_server import RedisServer, free_port  # noqa: E402
 
 
@@ -179,7 +180,8 @@ def main() -> None:
                       "--max-num-seqs", str(args.max_num_seqs), "--log-level", "WARNING"]
             procs.append(subprocess.Popen(worker, cwd=ROOT, env=_env(ROOT)))
             client = redis.Redis.from_url(redis_server.url)
-            wait_for(lambda: bool(live_workers(client, Names())), "the worker", procs)
+            with task("starting the worker"):
+                wait_for(lambda: bool(live_workers(client, Names())), "the worker", procs)
             gateway = [sys.executable, "-m", "workers.cli", "gateway", "--port", str(port), "--redis",
                        redis_server.url, "--max-connections", str(args.streams + 100), "--log-level", "WARNING"]
             if args.redis_max_connections is not None:
@@ -199,25 +201,29 @@ def main() -> None:
                 p.start()
                 readies.append(ready)
                 children.append(p)
-            for ready in readies:
-                if not ready.wait(600):
-                    raise SystemExit("clients did not open their sockets in time")
+            with task(f"client processes ready ({args.streams} sockets)", total=len(readies)) as bar:
+                for ready in readies:
+                    if not ready.wait(600):
+                        raise SystemExit("clients did not open their sockets in time")
+                    bar.advance()
             time.sleep(0.5)
             cpu_before = [cpu_seconds(p.pid) for p in procs]
             go.set()
             results = []
             end = time.monotonic() + args.timeout + 120
-            while len(results) < len(children):
-                try:
-                    results.append(out.get(timeout=1))
-                except queue.Empty:
-                    dead = [(name, p.returncode) for name, p in zip(("worker", "gateway"), procs, strict=True)
-                            if p.poll() is not None]
-                    if dead or time.monotonic() > end:
-                        for c in children:
-                            c.terminate()
-                        why = f"servers exited {dead}" if dead else "the clients hang"
-                        raise SystemExit(f"gave up: {why}") from None
+            with task("client processes finished (the burst)", total=len(children)) as bar:
+                while len(results) < len(children):
+                    try:
+                        results.append(out.get(timeout=1))
+                        bar.advance()
+                    except queue.Empty:
+                        dead = [(name, p.returncode) for name, p in zip(("worker", "gateway"), procs, strict=True)
+                                if p.poll() is not None]
+                        if dead or time.monotonic() > end:
+                            for c in children:
+                                c.terminate()
+                            why = f"servers exited {dead}" if dead else "the clients hang"
+                            raise SystemExit(f"gave up: {why}") from None
             cpu_used = [cpu_seconds(p.pid) - before for p, before in zip(procs, cpu_before, strict=True)]
             for p in children:
                 p.join(30)

@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # bench/kernels.py must not shadow the `kernels` package
 
 from clients.protocol import Names, done_event, token_event  # noqa: E402
+from workers.progress_display import task  # noqa: E402
 from workers.redis_server import RedisServer, free_port  # noqa: E402
 from workers.worker.event_writer import EventWriter, Write  # noqa: E402
 
@@ -248,16 +249,21 @@ def main() -> None:
     rows = []
     with RedisServer() as redis_server:
         gateway, ws_url = start_gateway(redis_server.url)
+        counts = [int(s) for s in args.streams.split(",")]
         try:
-            for i, n in enumerate(int(s) for s in args.streams.split(",")):
-                modes = [("ws", ws_url)] + ([("direct", redis_server.url)] if args.direct else [])
-                for mode, target in modes:
-                    row = run_round(mode, target, redis_server.url, n, args.tokens, args.interval_ms / 1e3,
-                                    args.clients, args.producers, f"{mode}{i}",
-                                    gateway.pid if mode == "ws" else None)
-                    rows.append(row)
-                    if args.json:
-                        print(json.dumps(row), flush=True)
+            with task("rounds", total=len(counts) * (2 if args.direct else 1)) as bar:
+                for i, n in enumerate(counts):
+                    modes = [("ws", ws_url)] + ([("direct", redis_server.url)] if args.direct else [])
+                    for mode, target in modes:
+                        bar.update(description=f"rounds ({n} streams, {mode})")
+                        row = run_round(mode, target, redis_server.url, n, args.tokens, args.interval_ms / 1e3,
+                                        args.clients, args.producers, f"{mode}{i}",
+                                        gateway.pid if mode == "ws" else None)
+                        rows.append(row)
+                        bar.advance()
+                        if args.json:
+                            print(json.dumps(row), flush=True)
+                bar.update(description="rounds")
         finally:
             gateway.terminate()
             gateway.wait(10)

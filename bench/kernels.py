@@ -230,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton defines any kernel
     import torch
 
+    from workers.progress_display import task
+
     if not args.smoke and not torch.cuda.is_available():
         print("bench/kernels.py: no CUDA device here, nothing to time (skipped). "
               "Run it on a GPU, or with --smoke to check the script under the Triton interpreter.")
@@ -243,23 +245,28 @@ def main(argv: list[str] | None = None) -> int:
     copy_bw = copy_bandwidth(torch, dev, timer, args.smoke)
     cases = attention_cases(torch, dev, dtype, args.smoke) + elementwise_cases(torch, dev, dtype, args.smoke)
     rows = []
-    for case in cases:
-        try:
-            err = f"{case.check():.1e}" if case.check else ""
-        except Exception as e:  # one broken kernel must not hide the others' numbers
-            err = f"FAILED: {type(e).__name__}: {e}"[:60]
-        for impl, fn in case.impls.items():
-            row = [case.kernel, case.shape, impl]
+    with task("kernel timings", total=sum(len(case.impls) for case in cases)) as bar:
+        for case in cases:
             try:
-                secs = timer(fn)
-            except Exception as e:
-                rows.append([*row, f"FAILED: {type(e).__name__}: {e}"[:60], "", "", "", ""])
-                print(f"{case.kernel:18} {case.shape:28} {impl:16} failed: {e}", flush=True)
-                continue
-            gbs = case.bytes / secs / 1e9
-            rows.append([*row, f"{secs * 1e6:.1f}", f"{gbs:.0f}", f"{100 * gbs * 1e9 / copy_bw:.0f}%",
-                         f"{case.flops / secs / 1e12:.1f}" if case.flops else "", err if impl == "triton" else ""])
-            print(f"{case.kernel:18} {case.shape:28} {impl:16} {secs * 1e6:10.1f} us", flush=True)
+                err = f"{case.check():.1e}" if case.check else ""
+            except Exception as e:  # one broken kernel must not hide the others' numbers
+                err = f"FAILED: {type(e).__name__}: {e}"[:60]
+            for impl, fn in case.impls.items():
+                row = [case.kernel, case.shape, impl]
+                bar.update(description=f"kernel timings ({case.kernel} {case.shape}: {impl})")
+                try:
+                    secs = timer(fn)
+                except Exception as e:
+                    rows.append([*row, f"FAILED: {type(e).__name__}: {e}"[:60], "", "", "", ""])
+                    print(f"{case.kernel:18} {case.shape:28} {impl:16} failed: {e}", flush=True)
+                    continue
+                finally:
+                    bar.advance()
+                gbs = case.bytes / secs / 1e9
+                rows.append([*row, f"{secs * 1e6:.1f}", f"{gbs:.0f}", f"{100 * gbs * 1e9 / copy_bw:.0f}%",
+                             f"{case.flops / secs / 1e12:.1f}" if case.flops else "", err if impl == "triton" else ""])
+                print(f"{case.kernel:18} {case.shape:28} {impl:16} {secs * 1e6:10.1f} us", flush=True)
+        bar.update(description="kernel timings")
     header = ["kernel", "shape", "impl", "us", "GB/s", "of copy", "TFLOP/s", "rel err"]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     print(f"\n{name}, {args.dtype}; device-to-device copy: {copy_bw / 1e9:.0f} GB/s; median of {timer.iters} runs")

@@ -17,10 +17,16 @@ from bench.workload import bench_checkpoint, make_workload  # noqa: E402
 from streamer import LLMEngine, SamplingParams  # noqa: E402
 from streamer.config import EngineConfig  # noqa: E402
 from streamer.random_checkpoint import TinyModelSpec, build_checkpoint  # noqa: E402
+from workers.progress_display import Task, task  # noqa: E402
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> dict:
+def run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], label: str) -> dict:
     """All requests arrive at once; returns throughput, mean time to first token, peak blocks."""
+    with task(f"requests ({label})", total=len(prompts)) as bar:
+        return _run(engine, prompts, params, bar)
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], bar: Task) -> dict:
     start = time.perf_counter()
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
@@ -30,6 +36,8 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams
         for out in engine.step():
             first.setdefault(out.request_id, time.perf_counter() - start)
             tokens += sum(len(c.token_ids) for c in out.outputs)
+            if out.finished:
+                bar.advance()
         peak = max(peak, engine.stats()["kv_blocks_used"])
     elapsed = time.perf_counter() - start
     return {"tok_s": tokens / elapsed, "ttft_ms": 1000 * sum(first.values()) / len(first), "peak_blocks": peak,
@@ -68,8 +76,8 @@ def main() -> None:
 
     print(f"shared-prefix chat: {args.requests} requests, {args.prefix}-token common prefix, "
           f"{args.max_tokens} output tokens each")
-    on = run(engine_for(ckpt, True, system), prompts, greedy)
-    off = run(engine_for(ckpt, False, system), prompts, greedy)
+    on = run(engine_for(ckpt, True, system), prompts, greedy, "shared prefix, caching on")
+    off = run(engine_for(ckpt, False, system), prompts, greedy, "shared prefix, caching off")
     print(f"  prefix caching on : {on['tok_s']:8.1f} tok/s  mean TTFT {on['ttft_ms']:8.1f} ms")
     print(f"  prefix caching off: {off['tok_s']:8.1f} tok/s  mean TTFT {off['ttft_ms']:8.1f} ms")
     print(f"  ratio on/off: throughput {on['tok_s'] / off['tok_s']:.2f}x, "
@@ -78,16 +86,17 @@ def main() -> None:
     # Cost of caching when nothing hits: distinct prompts, caching on vs off.
     work = make_workload(args.requests, vocab, min_out=args.max_tokens, max_out=args.max_tokens, seed=1)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
-    miss_on = run(engine_for(ckpt, True), work.prompts, params)
-    miss_off = run(engine_for(ckpt, False), work.prompts, params)
+    miss_on = run(engine_for(ckpt, True), work.prompts, params, "distinct prompts, caching on")
+    miss_off = run(engine_for(ckpt, False), work.prompts, params, "distinct prompts, caching off")
     print(f"no hits (distinct prompts): on {miss_on['tok_s']:.1f} tok/s vs off {miss_off['tok_s']:.1f} tok/s "
           f"({100 * (miss_on['tok_s'] / miss_off['tok_s'] - 1):+.1f}%)")
 
     # Parallel sampling n=4: one request sharing its prompt vs four independent requests.
     n, prompt = 4, prompts[0]
     sample = dict(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True)
-    shared = run(engine_for(ckpt, False), [prompt], [SamplingParams(n=n, seed=1, **sample)])
-    separate = run(engine_for(ckpt, False), [prompt] * n, [SamplingParams(seed=1 + i, **sample) for i in range(n)])
+    shared = run(engine_for(ckpt, False), [prompt], [SamplingParams(n=n, seed=1, **sample)], f"n={n} shared")
+    separate = run(engine_for(ckpt, False), [prompt] * n, [SamplingParams(seed=1 + i, **sample) for i in range(n)],
+                   f"n={n} independent")
     saved = 1 - shared["peak_blocks"] / separate["peak_blocks"]
     print(f"n={n} parallel sampling, {len(prompt)}-token prompt: peak KV blocks {shared['peak_blocks']} shared vs "
           f"{separate['peak_blocks']} independent ({100 * saved:.0f}% less)")

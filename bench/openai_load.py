@@ -34,6 +34,7 @@ import redis  # noqa: E402
 from bench.burst import _env, cpu_seconds, http_ok, percentile, wait_for  # noqa: E402
 from clients.heartbeats import live_workers  # noqa: E402
 from clients.protocol import Names  # noqa: E402
+from workers.progress_display import task  # noqa: E402
 from workers.redis_server import RedisServer, free_port  # noqa: E402
 
 PATHS = ("openai", "sse", "ws")  # the SDK, plain SSE over httpx, /ws
@@ -157,7 +158,8 @@ def start_servers(args: argparse.Namespace, redis_url: str, model: str, port: in
               "--device", args.device, "--max-num-seqs", str(max(args.concurrency, 8)), "--log-level", "WARNING"]
     procs = [subprocess.Popen(worker, cwd=ROOT, env=_env(ROOT))]
     client = redis.Redis.from_url(redis_url)
-    wait_for(lambda: bool(live_workers(client, Names())), "the worker", procs)
+    with task("starting the worker"):  # (not the gateway: its banner would cut into the bar)
+        wait_for(lambda: bool(live_workers(client, Names())), "the worker", procs)
     gateway = [sys.executable, "-m", "workers.cli", "gateway", "--port", str(port), "--redis", redis_url,
                "--log-level", "WARNING"]
     procs.append(subprocess.Popen(gateway, cwd=ROOT, env=_env(ROOT)))
@@ -187,10 +189,15 @@ def main() -> None:
         port = free_port()
         procs = start_servers(args, redis_server.url, model, port)
         try:
-            run_round("ws", args, port, model, procs[1].pid)  # warm-up: kernels, caches, connections
-            for _ in range(args.repeats):
-                for path in paths:
-                    results[path].append(run_round(path, args, port, model, procs[1].pid))
+            with task("rounds (warm-up)", total=1 + args.repeats * len(paths)) as bar:
+                run_round("ws", args, port, model, procs[1].pid)  # warm-up: kernels, caches, connections
+                bar.advance()
+                for i in range(args.repeats):
+                    for path in paths:
+                        bar.update(description=f"rounds (repeat {i + 1}/{args.repeats}: {path})")
+                        results[path].append(run_round(path, args, port, model, procs[1].pid))
+                        bar.advance()
+                bar.update(description="rounds")
         finally:
             for p in reversed(procs):
                 p.terminate()

@@ -42,6 +42,7 @@ def memory_usage(r, key: str) -> int:  # noqa: ANN001
 
 async def serve(url: str, encoding: str, n: int, tokens: int, prompt_len: int, vocab: int, tag: str) -> list[str]:
     from clients.redis_client import AsyncClient
+    from workers.progress_display import task
 
     rng = random.Random(0)
     params = {"max_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
@@ -50,9 +51,11 @@ async def serve(url: str, encoding: str, n: int, tokens: int, prompt_len: int, v
             prompt = [rng.randrange(5, vocab) for _ in range(prompt_len)]
             g = await client.generate(prompt_token_ids=prompt, params=params, id=f"{tag}-{i:05d}", timeout=600)
             assert len(g.token_ids[0]) == tokens, g
+            bar.advance()
             return g.id
 
-        return list(await asyncio.gather(*(one(i) for i in range(n))))
+        with task(f"requests ({tag})", total=n) as bar:
+            return list(await asyncio.gather(*(one(i) for i in range(n))))
 
 
 def dead_letter_worst_case(r, count: int = 1000) -> float:  # noqa: ANN001
@@ -92,6 +95,7 @@ def main() -> None:
 
     from clients.heartbeats import live_workers
     from clients.protocol import Names
+    from workers.progress_display import task
     from workers.redis_server import RedisServer
 
     if args.model == "tiny":
@@ -108,10 +112,11 @@ def main() -> None:
         r = redis.Redis.from_url(server.url)
         worker = start_worker(ckpt, server.url)
         try:
-            while not live_workers(r, names):
-                if worker.poll() is not None:
-                    raise RuntimeError("the worker exited during start-up")
-                time.sleep(0.1)
+            with task("starting the worker"):
+                while not live_workers(r, names):
+                    if worker.poll() is not None:
+                        raise RuntimeError("the worker exited during start-up")
+                    time.sleep(0.1)
             rows = []
             # Untimed warm-up: the worker's connections, scripts and the server's own buffers grow
             # once, outside the measured batches.

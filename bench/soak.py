@@ -66,6 +66,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # bench/kernels.py must not shadow the `kernels` package
 
 from clients.protocol import Names  # noqa: E402
+from workers.progress_display import task as progress_task  # noqa: E402
 
 NAMES = Names()
 FINAL = ("done", "error")
@@ -937,12 +938,13 @@ def main() -> int:
     ref.start()
     print(f"computing the reference: greedy tokens of {len(prompts)} prompts with the offline engine", flush=True)
     refs = None
-    while refs is None:
-        try:
-            refs = q.get(timeout=1.0)
-        except queue.Empty:
-            if not ref.is_alive() and q.empty():
-                raise RuntimeError(f"the reference process exited with status {ref.exitcode}") from None
+    with progress_task("computing the reference"):
+        while refs is None:
+            try:
+                refs = q.get(timeout=1.0)
+            except queue.Empty:
+                if not ref.is_alive() and q.empty():
+                    raise RuntimeError(f"the reference process exited with status {ref.exitcode}") from None
     ref.join(60)
     print(f"logs of the workers and gateways in {log_dir}", flush=True)
 
@@ -952,7 +954,8 @@ def main() -> int:
     parts: list[dict[str, Any]] = []
     procs: list[Any] = []
     try:
-        system.start()
+        with progress_task(f"starting redis, {args.workers} workers, {args.gateways} gateways"):
+            system.start()
         print(f"up: redis {system.redis.url}, {args.workers} workers, gateways {system.ws_urls} "
               f"({time.monotonic() - wall0:.0f}s)", flush=True)
         n_ws = round(args.streams * args.ws_share)
@@ -991,36 +994,41 @@ def main() -> int:
                       f"{' '.join(mb(v) for v in row['gateway_rss'])} MB", flush=True)
             return elapsed
 
-        while (elapsed := tick()) < duration:
-            while plan and plan[0][0] <= elapsed:
-                _, kind = plan.pop(0)
-                record: dict[str, Any] = {"t": round(elapsed, 1), "fault": kind}
-                if kind == "kill_worker":
-                    record.update(system.kill_worker(killable[kills % len(killable)]))
-                    kills += 1
-                elif kind == "restart_redis":
-                    record.update(system.restart_redis())
-                else:
-                    for c in ctrls:
-                        c.put(("drop", args.drop_share))
-                faults.append(record)
-                print(f"[{elapsed:6.0f}s] fault: {json.dumps(record)}", flush=True)
-            if any(not p.is_alive() for p in procs):
-                print(f"[{elapsed:6.0f}s] !! a client process died", flush=True)
-                break
-            time.sleep(0.2)
+        with progress_task(f"seconds of load ({args.minutes:g} min)", total=round(duration)) as bar:
+            while (elapsed := tick()) < duration:
+                bar.update(completed=int(elapsed))
+                while plan and plan[0][0] <= elapsed:
+                    _, kind = plan.pop(0)
+                    record: dict[str, Any] = {"t": round(elapsed, 1), "fault": kind}
+                    if kind == "kill_worker":
+                        record.update(system.kill_worker(killable[kills % len(killable)]))
+                        kills += 1
+                    elif kind == "restart_redis":
+                        record.update(system.restart_redis())
+                    else:
+                        for c in ctrls:
+                            c.put(("drop", args.drop_share))
+                    faults.append(record)
+                    print(f"[{elapsed:6.0f}s] fault: {json.dumps(record)}", flush=True)
+                if any(not p.is_alive() for p in procs):
+                    print(f"[{elapsed:6.0f}s] !! a client process died", flush=True)
+                    break
+                time.sleep(0.2)
+            bar.update(completed=min(round(duration), int(time.monotonic() - t0)))
         stopped_at = time.monotonic() - t0
         print(f"[{stopped_at:6.0f}s] load ends: no new requests; {drain:.0f}s for those in flight", flush=True)
         for c in ctrls:
             c.put(("stop", drain))
         deadline = time.monotonic() + drain + 120
-        while len(parts) < len(procs) and time.monotonic() < deadline:
-            tick()
-            try:
-                parts.append(out.get(timeout=0.5))
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs) and out.empty():
-                    break
+        with progress_task("client processes finished (drain)", total=len(procs)) as bar:
+            while len(parts) < len(procs) and time.monotonic() < deadline:
+                tick()
+                try:
+                    parts.append(out.get(timeout=0.5))
+                    bar.advance()
+                except queue.Empty:
+                    if all(not p.is_alive() for p in procs) and out.empty():
+                        break
         if len(parts) < len(procs):
             parts.append({"client_crashes": [f"{len(procs) - len(parts)} client process(es) sent no result"]})
         series.append(sample(system, time.monotonic() - t0, progress))

@@ -22,6 +22,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 from bench.workload import Workload, bench_checkpoint, make_workload, submit_greedy, warm_up  # noqa: E402
 from streamer import LLMEngine  # noqa: E402
 from streamer.config import EngineConfig  # noqa: E402
+from workers.progress_display import task  # noqa: E402
 
 
 def run_streamer(ckpt: Path, work: Workload, dtype: str, max_num_seqs: int, max_batched: int) -> dict:
@@ -31,14 +32,17 @@ def run_streamer(ckpt: Path, work: Workload, dtype: str, max_num_seqs: int, max_
     submit_greedy(engine, work)
     peak_used, peak_util = 0, 0.0
     generated = 0
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            generated += len(out.outputs[0].token_ids)
-        stats = engine.stats()
-        if stats["kv_blocks_used"] > peak_used:
-            peak_used, peak_util = stats["kv_blocks_used"], stats["kv_utilization"]
-    elapsed = time.perf_counter() - start
+    with task("requests (streamer)", total=len(work.prompts)) as bar:  # (its start and end not timed)
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                generated += len(out.outputs[0].token_ids)
+                if out.finished:
+                    bar.advance()
+            stats = engine.stats()
+            if stats["kv_blocks_used"] > peak_used:
+                peak_used, peak_util = stats["kv_blocks_used"], stats["kv_utilization"]
+        elapsed = time.perf_counter() - start
     bs = engine.config.block_size
     prealloc_slots = len(work.prompts) * engine.max_model_len
     return {"tokens": generated, "seconds": elapsed, "tok_per_s": generated / elapsed,
@@ -53,18 +57,20 @@ def run_hf(ckpt: Path, work: Workload, dtype: str, batch: int) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=getattr(torch, dtype)).eval()
     useful = 0
-    start = time.perf_counter()
-    for b in range(0, len(work.prompts), batch):
-        prompts = work.prompts[b:b + batch]
-        outs = work.output_lens[b:b + batch]
-        width = max(map(len, prompts))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=max(outs), min_new_tokens=max(outs),
-                           do_sample=False, pad_token_id=0)
-        useful += sum(outs)  # a static batch runs to its longest request; only requested tokens count
-    elapsed = time.perf_counter() - start
+    with task(f"requests (transformers, batches of {batch})", total=len(work.prompts)) as bar:
+        start = time.perf_counter()
+        for b in range(0, len(work.prompts), batch):
+            prompts = work.prompts[b:b + batch]
+            outs = work.output_lens[b:b + batch]
+            width = max(map(len, prompts))
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            with torch.no_grad():
+                model.generate(ids, attention_mask=mask, max_new_tokens=max(outs), min_new_tokens=max(outs),
+                               do_sample=False, pad_token_id=0)
+            useful += sum(outs)  # a static batch runs to its longest request; only requested tokens count
+            bar.advance(len(prompts))
+        elapsed = time.perf_counter() - start
     return {"tokens": useful, "seconds": elapsed, "tok_per_s": useful / elapsed}
 
 

@@ -27,25 +27,30 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 from bench.workload import Workload, bench_checkpoint, make_workload, submit_greedy, warm_up  # noqa: E402
 from streamer import LLMEngine  # noqa: E402
 from streamer.config import EngineConfig  # noqa: E402
+from workers.progress_display import task  # noqa: E402
 
 
 def run(ckpt: Path, tp: int, work: Workload, args: argparse.Namespace) -> dict:
-    start = time.perf_counter()
-    engine = LLMEngine(EngineConfig(model=str(ckpt), dtype=args.dtype, device=args.device,
-                                    tensor_parallel_size=tp, max_num_seqs=args.max_num_seqs,
-                                    num_kv_blocks=args.num_kv_blocks))
-    startup = time.perf_counter() - start
+    with task(f"starting the engine (TP={tp})"):  # (its start and end not timed)
+        start = time.perf_counter()
+        engine = LLMEngine(EngineConfig(model=str(ckpt), dtype=args.dtype, device=args.device,
+                                        tensor_parallel_size=tp, max_num_seqs=args.max_num_seqs,
+                                        num_kv_blocks=args.num_kv_blocks))
+        startup = time.perf_counter() - start
     try:
         warm_up(engine, work.prompts[0][:16])  # also the first collectives under tensor parallelism
         submit_greedy(engine, work)
         tokens: dict[str, list[int]] = {str(i): [] for i in range(len(work.prompts))}
         steps = 0
-        start = time.perf_counter()
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                tokens[out.request_id] += out.outputs[0].token_ids
-            steps += 1
-        elapsed = time.perf_counter() - start
+        with task(f"requests (TP={tp})", total=len(work.prompts)) as bar:
+            start = time.perf_counter()
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    tokens[out.request_id] += out.outputs[0].token_ids
+                    if out.finished:
+                        bar.advance()
+                steps += 1
+            elapsed = time.perf_counter() - start
         stats = engine.stats()
     finally:
         engine.shutdown()

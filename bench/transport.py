@@ -111,6 +111,7 @@ async def run_both(ckpt: Path, work: list[list[int]], args: argparse.Namespace, 
     from clients.protocol import Names
     from clients.redis_client import AsyncClient
     from streamer import AsyncEngine, EngineConfig, SamplingParams
+    from workers.progress_display import task
 
     worker = start_worker(ckpt, url, args)
     runs: dict[str, list[dict]] = {"local": [], "redis": []}
@@ -128,9 +129,15 @@ async def run_both(ckpt: Path, work: list[list[int]], args: argparse.Namespace, 
                 await asyncio.sleep(0.1)
             await probe.aclose()
             await client.generate(**warm, params={"max_tokens": 4}, timeout=120)
-            for rep in range(args.repeat):
-                runs["local"].append(await run_in_process(engine, work, args, rep))
-                runs["redis"].append(await run_redis(client, work, args))
+            with task("runs", total=2 * args.repeat) as bar:
+                for rep in range(args.repeat):
+                    bar.update(description=f"runs (repeat {rep + 1}/{args.repeat}: in-process)")
+                    runs["local"].append(await run_in_process(engine, work, args, rep))
+                    bar.advance()
+                    bar.update(description=f"runs (repeat {rep + 1}/{args.repeat}: Redis)")
+                    runs["redis"].append(await run_redis(client, work, args))
+                    bar.advance()
+                bar.update(description="runs")
     finally:
         worker.terminate()
         worker.wait(60)

@@ -29,6 +29,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])  # not bench/: bench/kern
 from bench.workload import ANCHOR_WORKLOADS, fingerprint  # noqa: E402
 from streamer import LLMEngine, SamplingParams  # noqa: E402
 from streamer.config import EngineConfig  # noqa: E402
+from workers.progress_display import Task, task  # noqa: E402
 
 # vLLM's best settings per workload on 2 cores (the anchors' README): both cores bound,
 # tcmalloc + Intel OpenMP preloaded, prefix caching with 32-token blocks for the shared prefix.
@@ -41,6 +42,11 @@ VLLM_FLAGS = {
 
 def wait_quiet(min_idle: float = 0.93, window: float = 5.0, timeout: float = 600.0) -> float:
     """Block until the CPUs were idle for `min_idle` of a `window`; returns the idle share seen."""
+    with task("waiting for an idle CPU", summary=False):
+        return _wait_quiet(min_idle, window, timeout)
+
+
+def _wait_quiet(min_idle: float, window: float, timeout: float) -> float:
     def times() -> tuple[int, int]:
         with open("/proc/stat") as f:
             v = list(map(int, f.readline().split()[1:]))
@@ -62,8 +68,13 @@ def warm_requests() -> list[dict]:
             for _ in range(8)]
 
 
-def generate(engine: LLMEngine, reqs: list[dict]) -> dict:
+def generate(engine: LLMEngine, reqs: list[dict], label: str = "warm-up") -> dict:
     """All requests at once; output tok/s, per-request time to first token, peak KV blocks."""
+    with task(f"requests ({label})", total=len(reqs)) as bar:
+        return _generate(engine, reqs, bar)
+
+
+def _generate(engine: LLMEngine, reqs: list[dict], bar: Task) -> dict:
     start = time.perf_counter()
     for i, r in enumerate(reqs):
         engine.add_request(str(i), {"prompt_token_ids": r["prompt"]},
@@ -78,6 +89,8 @@ def generate(engine: LLMEngine, reqs: list[dict]) -> dict:
             if out.outputs[0].token_ids:
                 first.setdefault(out.request_id, now - start)
             lengths[out.request_id] = lengths.get(out.request_id, 0) + len(out.outputs[0].token_ids)  # deltas
+            if out.finished:
+                bar.advance()
         peak_blocks = max(peak_blocks, engine.scheduler.block_manager.num_used_blocks)
     wall = time.perf_counter() - start
     assert [lengths[str(i)] for i in range(len(reqs))] == [r["max_tokens"] for r in reqs], "output length mismatch"
@@ -94,10 +107,10 @@ def run_streamer(args: argparse.Namespace, name: str, reqs: list[dict]) -> dict:
                                     max_num_batched_tokens=args.max_num_batched_tokens))
     generate(engine, warm_requests())
     runs = []
-    for _ in range(args.repeats):
+    for i in range(args.repeats):
         engine.reset_prefix_cache()
         idle = wait_quiet()
-        run = generate(engine, reqs)
+        run = generate(engine, reqs, f"streamer {name}, repeat {i + 1}/{args.repeats}")
         run["idle_before"] = idle
         runs.append(run)
         print(json.dumps({"system": "streamer", "workload": name, **{k: round(v, 3) for k, v in run.items()}}),
@@ -120,7 +133,8 @@ def run_vllm(args: argparse.Namespace, name: str, reqs: list[dict]) -> dict:
         json.dump(reqs, f)
     cmd += ["--workload", name] if name in ("main", "chat") else ["--workload-file", f.name]
     wait_quiet()
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    with task(f"vLLM {name}, {args.repeats} repeats"):
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     os.unlink(f.name)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import math
 import random
@@ -35,10 +37,14 @@ def make_workload(num_requests: int, vocab_size: int, mean_prompt: int = 100, mi
 def bench_checkpoint(cache_dir: Path) -> Path:
     """The ~110M-parameter random Llama (32k vocab), built once and cached."""
     from streamer.random_checkpoint import bench_spec, build_checkpoint
+    from workers.progress_display import task
 
     path = cache_dir / "llama-110m-random"
     if not (path / "model.safetensors").exists():
-        build_checkpoint(path, bench_spec(), seed=0)
+        # (transformers' own "Writing model shards" bar would cut into ours: dropped)
+        with task(f"building the random 110M checkpoint in {path} (first run only)"), \
+                contextlib.redirect_stderr(io.StringIO()):
+            build_checkpoint(path, bench_spec(), seed=0)
     return path
 
 

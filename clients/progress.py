@@ -30,6 +30,16 @@ class JobStatus:
     total: int | None = None
     worker: str | None = None
 
+    def describe(self) -> str:
+        """One line for a person waiting on it."""
+        if self.state == "queued":
+            if self.position is None:
+                return "queued"
+            return "queued: next in line" if self.position == 0 else f"queued: {self.position} ahead"
+        if self.state == "starting":
+            return "a worker took it: preparing the prompt"
+        return "waiting for room on the worker" if self.state == "waiting" else "processing the prompt"
+
     def frame(self, request_id: str) -> dict[str, Any]:
         return {"type": "status", "id": request_id,
                 **{k: v for k, v in asdict(self).items() if v is not None}}

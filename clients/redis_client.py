@@ -21,6 +21,7 @@ from redis.asyncio import Redis, RedisCluster
 from clients.backoff import TRANSIENT, Backoff, retry
 from clients.errors import NoWorker, RequestFailed, UnknownRequest, redact_url
 from clients.heartbeats import as_names, live_args, live_script
+from clients.progress import JobStatus, job_statuses
 from clients.protocol import Names, decode_event, encode_job, event_stream_id
 
 log = logging.getLogger("streamer.client")
@@ -143,6 +144,7 @@ class AsyncClient:
         self._submit = self.redis.register_script(SUBMIT_SCRIPT)
         self._cancel = self.redis.register_script(CANCEL_SCRIPT)
         self._live = live_script(self.redis)
+        self._ordinals: dict[str, int | None] = {}  # submitted here: id -> place in its stream
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -162,9 +164,18 @@ class AsyncClient:
         ((field_name, payload),) = encode_job(job, self.encoding).items()
         # Safe to retry: if a lost reply hides a first XADD that worked, the second copy carries the
         # same id and is refused by the worker as a duplicate.
-        await retry("submit", log, lambda: push_job(self.redis, self.names, self._submit, request_id, field_name,
-                                                    payload), self.retry_s)
+        ordinal = await retry("submit", log, lambda: push_job(self.redis, self.names, self._submit, request_id,
+                                                              field_name, payload), self.retry_s)
+        if len(self._ordinals) >= 4096:  # only for status(): a long-lived client keeps the newest
+            self._ordinals.pop(next(iter(self._ordinals)))
+        self._ordinals[request_id] = ordinal
         return request_id
+
+    async def status(self, request_id: str) -> JobStatus:
+        """Where a request is before its first token: queued (with its place when it was submitted by
+        this client), starting, or its prompt's progress on a worker (clients/progress.py)."""
+        statuses = await job_statuses(self.redis, self.names, {request_id: self._ordinals.get(request_id)})
+        return statuses[request_id]
 
     async def live_workers(self) -> list[str]:
         """Consumer names of the workers alive now (their heartbeat is fresh), newest beat first."""
@@ -267,6 +278,9 @@ class Client:
 
     def cancel(self, request_id: str) -> None:
         self._portal.call(self._client.cancel, request_id)
+
+    def status(self, request_id: str) -> JobStatus:
+        return self._portal.call(self._client.status, request_id)
 
     def stream(self, request_id: str, after_seq: int = -1, timeout: float | None = 300.0,
                wait_for_worker: bool = False) -> Iterator[dict[str, Any]]:

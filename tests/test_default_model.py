@@ -58,12 +58,16 @@ def test_converted_checkpoint_is_a_normal_hf_directory(smollm2: Path) -> None:
     assert text.endswith("<|im_start|>assistant\n") and "capital of France" in text
 
 
-def test_conversion_shows_only_its_own_progress(tmp_path: Path, capfd) -> None:
-    """`streamer up` prints its phases; the GGUF reader's tqdm bar must not cut into them."""
+def test_conversion_shows_only_its_own_progress(tmp_path: Path, capfd, monkeypatch) -> None:
+    """`streamer up` prints its phases; the GGUF reader's tqdm bar must not cut into them. Not on a
+    terminal (here: captured), the de-quantizing bar is not drawn either: no escape codes, no line
+    of its own (tests/test_progress_display.py checks it on a terminal)."""
+    monkeypatch.delenv("STREAMER_PROGRESS", raising=False)
     steps: list[str] = []
     convert_gguf(find_gguf(), tmp_path / "model", progress=steps.append)
     out, err = capfd.readouterr()
     assert "Converting and de-quantizing" not in out + err and "it/s" not in out + err, err[-300:]
+    assert "\x1b" not in out + err and "de-quantizing weights" not in out + err, err[-300:]
     assert [s.strip() for s in steps] == ["reading tokenizer and config", "de-quantizing weights", "writing checkpoint"]
 
 

@@ -14,6 +14,7 @@ from redis_worker_helpers import long_context_checkpoint, running_worker
 from test_gateway import NAMES, collect, config, done, emit, recv, send, tokens
 from websockets.asyncio.client import connect
 
+from clients.protocol import encode_job
 from streamer import EngineConfig, LLMEngine, SamplingParams
 from workers.gateway.server import running_gateway
 
@@ -134,3 +135,32 @@ async def test_resume_says_which_events_are_replayed(redis_url: str) -> None:
             await send(ws, {"type": "resume", "id": "r1", "after_seq": 5})
             assert (await recv(ws))["seq"] == 6
     await r.aclose()
+
+
+@pytest.mark.anyio
+async def test_generate_shows_where_its_prompt_waits_on_a_terminal(tmp_path: Path, redis_url: str) -> None:
+    """`streamer generate` behind a busy worker: on a terminal it says it is next in line, then its
+    prompt's progress, and prints the answer after the display is gone."""
+    import sys
+
+    import anyio
+    from test_progress_display import ANSI, pty_output, screen, terminal_env
+
+    ckpt = long_context_checkpoint(tmp_path / "long")
+    engine = {"max_num_seqs": 1, "max_num_batched_tokens": 16, "num_kv_blocks": 1100}
+    r = aioredis.Redis.from_url(redis_url)
+    async with running_worker(ckpt, redis_url, engine=engine, progress_every_s=0.05):
+        await r.xadd(NAMES.requests, encode_job({"id": "busy", "prompt_token_ids": [3 + i % 400 for i in range(8000)],
+                                                 "params": {"max_tokens": 1}}))
+        await asyncio.sleep(0.3)  # the worker has it
+        argv = [sys.executable, "-m", "workers.cli", "generate", "paged attention " * 600, "--redis", redis_url,
+                "--max-tokens", "3", "--params", '{"ignore_eos": true}']
+        raw = await anyio.to_thread.run_sync(lambda: pty_output(argv, terminal_env(), timeout=90))
+    await r.aclose()
+    text = ANSI.sub("", raw)
+    assert "queued: next in line" in text, text[-3000:]
+    assert "processing the prompt" in text, text[-3000:]
+    # The bar is erased before the answer: the screen ends with the answer and its summary alone.
+    shown = screen(raw)
+    assert shown[-1].startswith("[length; ") and "first token after" in shown[-1], shown
+    assert "━" not in "".join(shown[-2:]), shown

