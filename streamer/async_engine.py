@@ -19,7 +19,7 @@ from typing import Any
 from streamer.config import EngineConfig
 from streamer.errors import EngineDeadError
 from streamer.llm_engine import LLMEngine
-from streamer.outputs import PromptProgress, RequestOutput
+from streamer.outputs import PromptProgress, RequestOutput, StepRecord
 from streamer.prompts import PromptProcessor, TokenizedPrompt
 from streamer.sampling_params import SamplingParams
 
@@ -135,6 +135,10 @@ class AsyncEngine:
 
     def admission_capacity(self) -> int:
         return max(0, self._capacity - self._pending_adds)
+
+    def take_step_records(self) -> list[StepRecord]:
+        """The engine steps run since the last call, oldest first (from any thread)."""
+        return self.engine.take_step_records()
 
     def prompt_progress(self) -> dict[str, PromptProgress]:
         """Requests still computing their prompt, as of a step at most PROGRESS_EVERY_S ago."""

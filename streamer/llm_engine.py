@@ -6,6 +6,8 @@ its blocks, the executor runs the model, the output processor turns tokens into 
 from __future__ import annotations
 
 import json
+import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -16,12 +18,13 @@ from streamer.executor import make_executor
 from streamer.fault_isolation import execute_isolated
 from streamer.model_config import ModelConfig
 from streamer.output_processor import OutputProcessor
-from streamer.outputs import PromptProgress, RequestOutput
+from streamer.outputs import PromptProgress, RequestOutput, StepRecord
 from streamer.prompts import PromptProcessor, TokenizedPrompt
 from streamer.request import Request, Sequence
 from streamer.sampler import Sampler
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler import Scheduler, SchedulerConfig
+from streamer.scheduler_output import SchedulerOutput
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -31,6 +34,9 @@ def resolve_device(name: str | None) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device 'cuda' requested but no CUDA device is available; use --device cpu")
     return device
+
+
+STEP_RECORDS = 4096  # kept until taken: a reader that stops taking them loses only the oldest
 
 
 class LLMEngine:
@@ -57,6 +63,8 @@ class LLMEngine:
             max_waiting_tokens=config.max_waiting_tokens, eos_token_ids=self.eos_token_ids))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.prompts = PromptProcessor(self.tokenizer, self.model_config.hf_config.vocab_size, self.max_model_len)
+        self.step_records: deque[StepRecord] = deque(maxlen=STEP_RECORDS)  # take_step_records() drains it
+        self._num_steps = 0
 
     # ---- requests in -------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int] | dict[str, Any] | TokenizedPrompt) -> TokenizedPrompt:
@@ -102,14 +110,39 @@ class LLMEngine:
 
     # ---- one iteration -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        step = execute_isolated(self.runner, self.scheduler.schedule())
+        t0 = time.monotonic()
+        scheduled = self.scheduler.schedule()
+        t1 = time.monotonic()
+        self._mark_scheduled(scheduled, t1)
+        counts = _token_counts(scheduled)  # before the step moves num_computed_tokens on
+        step = execute_isolated(self.runner, scheduled)
+        t2 = time.monotonic()
         for request_id, reason in step.failed.items():  # the others' step goes on without them
             self.abort_request(request_id, error=reason)
         core = self.scheduler.update_from_output(step.scheduled, step.model_output)
         outputs, stopped = self.output_processor.process(core)
         for seq in stopped:  # a stop string ended it: free its blocks before the next step
             self.scheduler.finish(seq)
+        t3 = time.monotonic()
+        _mark_outputs(outputs, t3)
+        if scheduled.scheduled:
+            self._num_steps += 1
+            self.step_records.append(StepRecord(self._num_steps, t0, len(scheduled.scheduled), *counts,
+                                                schedule_s=t1 - t0, execute_s=t2 - t1, process_s=t3 - t2))
         return outputs
+
+    def take_step_records(self) -> list[StepRecord]:
+        """The steps run since the last call, oldest first (at most the last STEP_RECORDS kept)."""
+        records = []
+        while self.step_records:
+            records.append(self.step_records.popleft())
+        return records
+
+    def _mark_scheduled(self, scheduled: SchedulerOutput, now: float) -> None:
+        for item in scheduled.scheduled:
+            request = self.scheduler.requests.get(item.seq.request_id)
+            if request is not None and request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
 
     def reset_prefix_cache(self) -> int:
         """Forget the cached prefixes no request holds; returns how many blocks were dropped."""
@@ -139,6 +172,27 @@ class LLMEngine:
             "attention_backend": self.runner.backend.name,
             "tensor_parallel_size": self.config.tensor_parallel_size,
         }
+
+
+def _token_counts(scheduled: SchedulerOutput) -> tuple[int, int]:
+    """(tokens the step computes, of which prompt tokens)."""
+    total = prefill = 0
+    for item in scheduled.scheduled:
+        start = item.seq.num_computed_tokens
+        total += item.num_new_tokens
+        prefill += max(0, min(start + item.num_new_tokens, item.seq.num_prompt_tokens) - start)
+    return total, prefill
+
+
+def _mark_outputs(outputs: list[RequestOutput], now: float) -> None:
+    for out in outputs:
+        m = out.metrics
+        if m is None:
+            continue
+        if m.first_token_time is None and any(c.token_ids for c in out.outputs):
+            m.first_token_time = now
+        if out.finished and m.finished_time is None:
+            m.finished_time = now
 
 
 def _eos_token_ids(root: Any, tokenizer: Any) -> set[int]:

@@ -124,7 +124,7 @@ class OutputProcessor:
         request = state.request
         return RequestOutput(request.request_id, request.prompt_token_ids, completions, finished=finished,
                              num_cached_tokens=min(s.num_cached_tokens for s in request.sequences),
-                             prompt=request.prompt)
+                             prompt=request.prompt, metrics=request.metrics)
 
     def _beam_output(self, result: BeamResult) -> RequestOutput:
         """The k best finished beams, best first."""
@@ -135,4 +135,4 @@ class OutputProcessor:
                                     finish_reason="stop" if by_eos else "length")
                    for i, (ids, by_eos) in enumerate(zip(result.token_ids, result.finished_by_eos))]
         return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished=True,
-                             prompt=request.prompt)
+                             prompt=request.prompt, metrics=request.metrics)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 
@@ -12,6 +13,34 @@ class PromptProgress:
     computed_tokens: int  # prompt tokens with K/V in the cache (prefix-cache hits included)
     prompt_tokens: int
     scheduled: bool  # False: waiting in the engine's queue for room
+
+
+@dataclass
+class RequestMetrics:
+    """When a request reached each stage (time.monotonic(), seconds), for latency metrics."""
+
+    arrival_time: float = field(default_factory=time.monotonic)  # added to the engine
+    first_scheduled_time: float | None = None  # its first step ran (the end of its queue time)
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step: what ran and where its time went (seconds), for metrics and slow-step traces."""
+
+    index: int
+    started: float  # time.monotonic()
+    num_seqs: int
+    num_tokens: int  # tokens computed: prompt chunks and decodes
+    num_prefill_tokens: int
+    schedule_s: float
+    execute_s: float  # preparing the inputs, the forward pass and sampling
+    process_s: float  # updating the sequences, detokenizing, stop checks
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.execute_s + self.process_s
 
 
 @dataclass
@@ -33,3 +62,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt: str | None = field(default=None, repr=False)
     error: str | None = None  # why the engine could not run this request (finish_reason "error")
+    metrics: RequestMetrics | None = field(default=None, repr=False)

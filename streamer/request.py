@@ -10,6 +10,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from streamer.outputs import RequestMetrics
 from streamer.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -76,6 +77,7 @@ class Request:
     params: SamplingParams
     sequences: list[Sequence]
     prompt: str | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     @property
     def is_finished(self) -> bool:

@@ -210,7 +210,7 @@ def test_async_engine_fits_the_workers_engine_seam() -> None:
 
     methods = [n for n, v in vars(Engine).items() if inspect.isfunction(v) and not n.startswith("_")]
     assert sorted(methods) == ["abort", "admission_capacity", "generate", "prompt_progress", "render_chat", "stats",
-                              "token_texts"]
+                              "take_step_records", "token_texts"]
     for name in methods:
         want = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(Engine, name)).parameters.values()]
         have = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(AsyncEngine, name)).parameters.values()]

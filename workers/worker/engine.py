@@ -7,7 +7,7 @@ from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
 from streamer import RequestOutput, SamplingParams
-from streamer.outputs import PromptProgress
+from streamer.outputs import PromptProgress, StepRecord
 from streamer.prompts import TokenizedPrompt
 
 
@@ -33,6 +33,10 @@ class Engine(Protocol):
 
     def prompt_progress(self) -> dict[str, PromptProgress]:
         """Requests still computing their prompt (fresh to a fraction of a second), by id."""
+        ...
+
+    def take_step_records(self) -> list[StepRecord]:
+        """The engine steps run since the last call (what ran, where the time went), oldest first."""
         ...
 
     def token_texts(self, token_ids: list[int]) -> list[str]:
