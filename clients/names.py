@@ -21,6 +21,7 @@ class Names:
     group: str = ""
     cancel: str = ""
     dead: str = ""
+    traces: str = ""  # capped stream of slow-step traces, one JSON entry per slow step
     heartbeats: str = ""  # sorted set: member = consumer name, score = its last heartbeat (ms)
     cluster: bool = False
     shards: int = 1
@@ -29,6 +30,7 @@ class Names:
         shared = f"{{{self.prefix}}}" if self.cluster else self.prefix
         for name, base, suffix in (("requests", shared, "requests"), ("group", self.prefix, "workers"),
                                    ("cancel", self.prefix, "cancel"), ("dead", shared, "dead"),
+                                   ("traces", shared, "traces"),
                                    ("heartbeats", shared, "heartbeats")):
             if not getattr(self, name):
                 object.__setattr__(self, name, f"{base}:{suffix}")

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from clients.protocol import Limits, Names
 from workers.redis_options import DEFAULT_MAX_CONNECTIONS, DEFAULT_POOL_TIMEOUT_S
+from workers.worker.steps import TraceConfig
 
 
 @dataclass
@@ -23,6 +24,7 @@ class WorkerConfig:
     claim_idle_s: float = 30.0  # an entry idle this long belongs to a dead worker and is reclaimed
     heartbeat_s: float = 0.0  # 0: claim_idle_s / 4, at most 5 s
     progress_every_s: float = 0.5  # how often a long prompt's progress is written (progress.py)
+    traces: TraceConfig = field(default_factory=TraceConfig)  # slow-step traces (steps.py)
     max_deliveries: int = 5  # a job delivered more often than this (it keeps killing workers) is dead
     grace_s: float = 30.0  # SIGTERM: time to finish in-flight jobs before leaving them to others
     block_ms: int = 1000

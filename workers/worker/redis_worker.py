@@ -2,7 +2,7 @@
 
 Task layout (anyio, one task group each, nothing outlives `Worker.run`):
   services: event writer, heartbeat (stats + keeping our pending entries fresh), cancel listener,
-            prompt progress of long prompts (progress.py)
+            prompt progress of long prompts (progress.py), engine step records (steps.py)
   reading:  XREADGROUP reader (intake) and XAUTOCLAIM reclaimer, both stopped first on shutdown
   jobs:     one task per request (a `JobRunner.run`), each owning its engine stream; cancelled (not
             answered) when the shutdown grace period runs out, so another worker resumes them
@@ -36,6 +36,7 @@ from workers.worker.job import JobRunner
 from workers.worker.progress import ProgressReporter
 from workers.worker.reclaim import Reclaimer
 from workers.worker.state import WorkerState
+from workers.worker.steps import StepMonitor
 
 log = logging.getLogger("streamer.worker")
 
@@ -69,6 +70,8 @@ class Worker:
         self.heartbeat = Heartbeat(self.redis, config, engine, self.state, self.writer, self.cancels)
         self.progress = ProgressReporter(self.redis, self.names, engine, self.state, config.consumer,
                                          config.progress_every_s)
+        # Sinks of the engine's step records (the metrics add theirs); slow steps are traced.
+        self.steps = StepMonitor(self.redis, self.names, engine, config.consumer, config.traces, sinks=[])
 
     @property
     def ready(self) -> anyio.Event:
@@ -98,6 +101,7 @@ class Worker:
                 services.start_soon(self.heartbeat.loop)
                 services.start_soon(self.cancels.listen)
                 services.start_soon(self.progress.loop)
+                services.start_soon(self.steps.loop)
                 async with anyio.create_task_group() as jobs:
                     await self._read_until_stopped(jobs)
                     await self._finish_jobs(jobs)
