@@ -1,4 +1,4 @@
-"""The `streamer` command: `up`, `worker`, `gateway`, `generate`, `bench`, `dead`.
+"""The `streamer` command: `up`, `worker`, `gateway`, `generate`, `bench`, `dead`, `top`.
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`.
 Modules are imported only when their command runs (the imports inside the `_load_*` functions), so
@@ -63,6 +63,12 @@ def _load_dead() -> ModuleType:
     return dead_cmd
 
 
+def _load_top() -> ModuleType:
+    from workers.cli import top_cmd
+
+    return top_cmd
+
+
 @dataclass(frozen=True)
 class Command:
     load: Callable[[], ModuleType]  # imports the command's module: add_arguments(parser), run(args)
@@ -78,6 +84,8 @@ COMMANDS: dict[str, Command] = {
                                         "to the terminal"),
     "bench": Command(_load_bench, "run a benchmark script from bench/ (arguments pass through)"),
     "dead": Command(_load_dead, "list, show, requeue or purge dead letters (jobs no worker could serve)"),
+    "top": Command(_load_top, "live view of every worker (model, device, load, KV cache, tokens/s), the "
+                              "request backlog, dead letters and slow steps, from Redis"),
 }
 # Commands whose --model, when not given, means the built-in default model.
 _DEFAULT_MODEL_COMMANDS = {"worker"}
