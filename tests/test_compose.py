@@ -207,3 +207,241 @@ def test_the_image_install_has_the_cli_and_the_chat_page(tmp_path: Path) -> None
         assert needed in names, needed
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "streamer = workers.cli.main:main" in wheel.read(entry_points).decode()
+
+
+# --- Prometheus and Grafana ------------------------------------------------------------------------
+
+DEPLOY = ROOT / "deploy"
+PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "streamer.json"
+DATASOURCE_UID = "streamer-prometheus"
+# What a worker exports on --metrics-port (vLLM's names, label model_name; its own as streamer_worker_*),
+# and the request stream's (streamer_queue_*, label stream): the only names, besides the gateway's own,
+# that the dashboard may query.
+WORKER_METRICS = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total"}
+WORKER_HISTOGRAMS = {"vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                     "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+                     "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+                     "vllm:iteration_tokens_total"}
+QUEUE_METRICS = {"streamer_queue_backlog", "streamer_queue_lag", "streamer_queue_pending",
+                 "streamer_worker_dead_letters_total", "streamer_worker_reclaims_total"}
+# Prometheus' own series for every target (1 while a scrape succeeds).
+PROMETHEUS_SERIES = {"up"}
+# PromQL words (functions, aggregations, operators) the dashboard may use; anything else is a metric.
+PROMQL_WORDS = {"sum", "max", "min", "avg", "count", "rate", "increase", "irate", "histogram_quantile",
+                "clamp_min", "clamp_max", "topk", "bottomk", "abs", "and", "or", "unless", "bool", "offset"}
+
+
+def _gateway_metric_names() -> set[str]:
+    """Every sample name a gateway's /metrics page has (histograms with _bucket/_sum/_count)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from workers.gateway.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.error("bad_json")  # a labelled counter shows a sample once it has a label
+    page = metrics.render()[0].decode()
+    return {s.name for family in text_string_to_metric_families(page) for s in family.samples}
+
+
+def _known_metric_names() -> set[str]:
+    histograms = {f"{h}{suffix}" for h in WORKER_HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
+    return _gateway_metric_names() | WORKER_METRICS | histograms | QUEUE_METRICS | PROMETHEUS_SERIES
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads: what is left once strings, label matchers, ranges,
+    label lists (`by (...)`) and PromQL's own words are taken out."""
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    text = re.sub(r"\{[^{}]*\}", " ", text)
+    text = re.sub(r"\[[^\[\]]*\]", " ", text)
+    text = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^()]*\)", " ", text)
+    return set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", text)) - PROMQL_WORDS
+
+
+def _dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def _panels(dashboard: dict) -> list[dict]:
+    return [p for p in dashboard["panels"] if p["type"] != "row"]
+
+
+def _dashboard_queries(dashboard: dict) -> list[str]:
+    exprs = [t["expr"] for p in _panels(dashboard) for t in p["targets"]]
+    for variable in dashboard["templating"]["list"]:
+        query = variable["query"]["query"] if isinstance(variable["query"], dict) else variable["query"]
+        metric = re.fullmatch(r"label_values\(([^,]+),\s*\w+\)", query)
+        assert metric, query
+        exprs.append(metric.group(1))
+    return exprs
+
+
+def _bind_mounts(service: dict) -> dict[str, str]:
+    """Container path -> repository path of each bind mount (`./src:/dst[:ro]`)."""
+    mounts = {}
+    for volume in service["volumes"]:
+        src, dst, *_ = volume.split(":")
+        if src.startswith("./"):
+            mounts[dst] = src
+    return mounts
+
+
+def _flag(argv: list[str], name: str) -> str:
+    """The value of `--name=value` or `--name value` in an argv."""
+    for i, arg in enumerate(argv):
+        if arg == name:
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    raise AssertionError(f"{name} not in {argv}")
+
+
+def test_prometheus_and_grafana_are_pinned_on_loopback_with_their_files(compose: dict) -> None:
+    services = compose["services"]
+    prometheus, grafana = services["prometheus"], services["grafana"]
+    assert re.fullmatch(r"prom/prometheus:v\d+\.\d+\.\d+", prometheus["image"]), prometheus["image"]
+    assert re.fullmatch(r"grafana/grafana:\d+\.\d+\.\d+", grafana["image"]), grafana["image"]
+    assert prometheus["ports"] == ["127.0.0.1:${PROMETHEUS_PORT:-9090}:9090"]
+    assert grafana["ports"] == ["127.0.0.1:${GRAFANA_PORT:-3000}:3000"]
+    for service in (prometheus, grafana):
+        for dst, src in _bind_mounts(service).items():
+            assert (ROOT / src).exists(), (src, dst)
+            assert service["volumes"][[v.split(":")[1] for v in service["volumes"]].index(dst)].endswith(":ro")
+        named = [v.split(":")[0] for v in service["volumes"] if not v.startswith("./")]
+        assert all(name in compose["volumes"] for name in named), named
+    # Prometheus reads the config that is mounted, and keeps its samples in a volume.
+    config_path = _flag(prometheus["command"], "--config.file")
+    assert _bind_mounts(prometheus)[config_path] == "./deploy/prometheus/prometheus.yml"
+    assert f"prometheus-data:{_flag(prometheus['command'], '--storage.tsdb.path')}" in prometheus["volumes"]
+    # Grafana: provisioning where Grafana looks for it, the dashboards where the provider says, and
+    # the home dashboard is our file.
+    grafana_mounts = _bind_mounts(grafana)
+    assert grafana_mounts["/etc/grafana/provisioning"] == "./deploy/grafana/provisioning"
+    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/streamer.yml").read_text())["providers"][0]
+    assert provider["type"] == "file" and grafana_mounts[provider["options"]["path"]] == "./deploy/grafana/dashboards"
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    home_dir, home_file = home.rsplit("/", 1)
+    assert ROOT / grafana_mounts[home_dir] / home_file == DASHBOARD
+    assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == "${GRAFANA_PASSWORD:-admin}"
+    assert "prometheus" in grafana["depends_on"]
+    for service in (prometheus, grafana):
+        check = service["healthcheck"]["test"]
+        assert check[:2] == ["CMD", "wget"] and check[-1].startswith("http://127.0.0.1:")
+
+
+def test_prometheus_scrapes_every_worker_and_gateway_where_they_serve(compose: dict) -> None:
+    services = compose["services"]
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == {"streamer-worker", "streamer-gateway"}
+
+    def targets(job: dict) -> tuple[set[str], int]:
+        (sd,) = job["dns_sd_configs"]  # Docker's DNS: one address per container of each service
+        assert sd["type"] == "A"
+        return set(sd["names"]), sd["port"]
+
+    # Every service that runs a worker, on the port its command gives --metrics-port.
+    names, port = targets(jobs["streamer-worker"])
+    workers = {n for n, s in services.items() if s.get("command", [None])[0] == "worker"}
+    assert names == workers == {"worker", "worker-cpu"}
+    for name in workers:
+        assert int(_flag(services[name]["command"], "--metrics-port")) == port == 9100
+    # The gateway, on the port it listens on, at /metrics.
+    names, port = targets(jobs["streamer-gateway"])
+    gateway_port = command_parser("gateway").parse_args(services["gateway"]["command"][1:]).port
+    assert names == {"gateway"} and port == gateway_port and jobs["streamer-gateway"]["metrics_path"] == "/metrics"
+    # With API_KEY set the gateway's /metrics needs the key: Prometheus reads it from the config that
+    # compose fills from the same variable the gateway gets.
+    auth = jobs["streamer-gateway"]["authorization"]
+    assert auth["type"] == "Bearer"
+    (mounted,) = [c for c in services["prometheus"]["configs"] if c["target"] == auth["credentials_file"]]
+    assert compose["configs"][mounted["source"]]["content"] == services["gateway"]["environment"]["STREAMER_API_KEY"]
+
+
+def test_prometheus_config_passes_promtool() -> None:
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is needed (Debian/Ubuntu: apt-get install prometheus; .ci/install does)"
+    # --syntax-only: the credentials file it names exists only inside the container.
+    proc = subprocess.run([promtool, "check", "config", "--syntax-only", str(PROMETHEUS_CONFIG)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_grafana_datasource_is_the_prometheus_service(compose: dict) -> None:
+    (source,) = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())["datasources"]
+    assert source["uid"] == DATASOURCE_UID and source["type"] == "prometheus" and source["isDefault"]
+    host_port = source["url"].removeprefix("http://")
+    host, port = host_port.split(":")
+    assert host == "prometheus" and host in compose["services"]
+    assert compose["services"]["prometheus"]["ports"][0].endswith(f":{port}")  # the container's port
+    scrape = yaml.safe_load(PROMETHEUS_CONFIG.read_text())["global"]["scrape_interval"]
+    assert source["jsonData"]["timeInterval"] == scrape
+
+
+def test_dashboard_queries_only_metrics_that_exist() -> None:
+    dashboard = _dashboard()
+    known = _known_metric_names()
+    used: set[str] = set()
+    for expr in _dashboard_queries(dashboard):
+        assert expr.count("(") == expr.count(")"), expr
+        names = promql_metric_names(expr)
+        assert names, expr
+        assert names <= known, (expr, names - known)
+        used |= names
+    # It shows what the issue asks for: throughput, TTFT/ITL percentiles, queue time and backlog, KV
+    # usage, preemptions, prefix-cache hit rate; and every worker and queue metric has a panel.
+    worker = WORKER_METRICS | {f"{h}_bucket" for h in WORKER_HISTOGRAMS} | QUEUE_METRICS
+    assert worker <= used, worker - used
+    assert {"streamer_gateway_time_to_first_token_seconds_bucket", "streamer_gateway_open_connections"} <= used
+    for metric in ("time_to_first_token_seconds", "inter_token_latency_seconds", "request_queue_time_seconds"):
+        assert any(f"histogram_quantile(0.99, sum by (le) (rate(vllm:{metric}_bucket" in e
+                   for e in _dashboard_queries(dashboard)), metric
+
+
+def test_dashboard_panels_use_the_provisioned_datasource_and_do_not_overlap() -> None:
+    dashboard = _dashboard()
+    assert dashboard["uid"] and dashboard["title"]
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in _panels(dashboard):
+        assert panel["datasource"]["uid"] == DATASOURCE_UID, panel["title"]
+        assert panel["targets"] and all(t["datasource"]["uid"] == DATASOURCE_UID for t in panel["targets"])
+        assert panel["description"], panel["title"]
+    for variable in dashboard["templating"]["list"]:
+        assert variable["datasource"]["uid"] == DATASOURCE_UID
+    cells: dict[tuple[int, int], str] = {}
+    for panel in dashboard["panels"]:
+        g = panel["gridPos"]
+        assert g["x"] + g["w"] <= 24, panel["title"]
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, (panel["title"], cells.get((x, y)))
+                cells[(x, y)] = panel["title"]
+
+
+def test_the_metric_check_catches_a_misspelt_name() -> None:
+    """The check above can fail: a name that no one exports is found, functions and labels are not."""
+    known = _known_metric_names()
+    good = ('histogram_quantile(0.99, sum by (le, protocol) '
+            '(rate(streamer_gateway_time_to_first_token_seconds_bucket{protocol="ws"}[$__rate_interval])))')
+    assert promql_metric_names(good) == {"streamer_gateway_time_to_first_token_seconds_bucket"}
+    assert promql_metric_names(good) <= known
+    assert promql_metric_names('sum(vllm:num_request_running{model_name=~"$m"})') == {"vllm:num_request_running"}
+    assert not promql_metric_names("sum(vllm:num_request_running)") <= known
+    assert not promql_metric_names("rat(vllm:prompt_tokens_total[1m])") <= known  # a misspelt function
+
+
+def test_dashboard_promql_parses_with_promtool(tmp_path: Path) -> None:
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is needed (Debian/Ubuntu: apt-get install prometheus; .ci/install does)"
+    # Each query as a recording rule, with Grafana's variables given values.
+    rules = [{"record": f"dashboard:query_{i}",
+              "expr": expr.replace("$__rate_interval", "1m").replace("$model_name", ".*")}
+             for i, expr in enumerate(_dashboard_queries(_dashboard()))]
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    proc = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

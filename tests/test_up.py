@@ -244,7 +244,8 @@ def test_worker_failing_at_startup_stops_everything(llama_ckpt: Path) -> None:
 
 def test_up_with_an_existing_redis_leaves_it_running(llama_ckpt: Path, redis_server, redis_url: str) -> None:
     """--redis URL: no private server; a worker already on that Redis does not count as ours (up waits
-    for a new heartbeat); Ctrl-C stops only what up started; --prefix reaches worker and gateway."""
+    for a new heartbeat); Ctrl-C stops only what up started; --prefix reaches worker and gateway;
+    --metrics-port reaches the worker, whose Prometheus page the banner names."""
     import redis
 
     client = redis.Redis.from_url(redis_url)
@@ -252,12 +253,15 @@ def test_up_with_an_existing_redis_leaves_it_running(llama_ckpt: Path, redis_ser
     client.expire("pre:worker:someone-else", 600)
     seconds, _ = client.time()  # its beat, dated ahead so that it stays live for the whole test
     client.zadd("pre:heartbeats", {"someone-else": (seconds + 600) * 1000})
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     up = Up("--redis", redis_url, "--prefix", "pre", "--model", str(llama_ckpt), "--port", str(port),
-            "--device", "cpu", env={})
+            "--device", "cpu", "--metrics-port", str(metrics_port), env={})
     try:
         up.wait_for(r"Press Ctrl-C to stop", 120)
         assert "private" not in up.text()
+        assert f"metrics:    http://127.0.0.1:{metrics_port}/metrics" in up.text()
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as page:
+            assert "vllm:num_requests_running{" in page.read().decode()
         heartbeats = {k.decode() for k in client.scan_iter(match="pre:worker:*")}
         assert len(heartbeats) == 2, heartbeats
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as health:

@@ -9,14 +9,24 @@ from urllib.parse import urlsplit
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 
 
-def port_number(text: str) -> int:
+def _port(text: str, zero: str) -> int:
     try:
         port = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number: pass 1-65535 (0: any free port)") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number: pass 1-65535 (0: {zero})") from None
     if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port {port} is out of range: pass 1-65535 (0: any free port)")
+        raise argparse.ArgumentTypeError(f"port {port} is out of range: pass 1-65535 (0: {zero})")
     return port
+
+
+def port_number(text: str) -> int:
+    """A port to listen on; 0 picks any free one."""
+    return _port(text, "any free port")
+
+
+def optional_port(text: str) -> int:
+    """A port for an optional server; 0 turns it off."""
+    return _port(text, "off")
 
 
 def redis_url(text: str) -> str:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from clients.errors import redact_url
 from clients.heartbeats import live_workers
 from clients.protocol import Names
-from workers.arg_types import port_number, redis_url
+from workers.arg_types import optional_port, port_number, redis_url
 from workers.cli.processes import Child, Phases
 from workers.errors import PortInUse, UserError
 from workers.progress_display import task
@@ -55,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=port_number, default=8000, help="gateway port (0: any free port)")
     parser.add_argument("--device", default=None, help="device for the worker: cpu, cuda or cuda:N "
                                                        "(default: CUDA if available, else CPU)")
+    parser.add_argument("--metrics-port", type=optional_port, default=0,
+                        help="the worker serves Prometheus metrics on this port (vLLM's names; 0: off)")
     parser.add_argument("--startup-timeout", type=float, default=900.0,
                         help="seconds to wait for the worker to load the model")
 
@@ -169,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         phases = Phases()
         setup = _start_all(args, local_host, port, phases, started)
-        _print_banner(setup, phases)
+        _print_banner(setup, phases, args.metrics_port)
         return _wait_for_exit(started.children)
     except (KeyboardInterrupt, _Stop):
         print("\nstopping ...", flush=True)
@@ -202,7 +204,10 @@ def _start_all(args: argparse.Namespace, local_host: str, port: int, phases: Pha
         before = worker_names(redis_url, args.prefix)
         # The worker picks the best device itself: importing torch here would cost a second.
         started.start(Child("worker", ["worker", "--model", model, "--prefix", args.prefix,
-                                       *(["--device", args.device] if args.device else [])], env=child_env))
+                                       *(["--device", args.device] if args.device else []),
+                                       *(["--metrics-port", str(args.metrics_port), "--metrics-host", args.host]
+                                         if args.metrics_port else [])],
+                            env=child_env))
         # The gateway needs no worker to start: it comes up while the model loads.
         started.start(Child("gateway", ["gateway", "--host", args.host, "--port", str(port),
                                         "--prefix", args.prefix,
@@ -236,13 +241,14 @@ def _start_redis(url: str | None, started: Started) -> str:
     return started.redis_server.url
 
 
-def _print_banner(setup: Setup, phases: Phases) -> None:
+def _print_banner(setup: Setup, phases: Phases, metrics_port: int = 0) -> None:
     host, port, redis_url = setup.host, setup.port, redact_url(setup.redis_url)
     print(f"\nstreamer is up in {phases.summary()}\n"
           f"  chat page:  http://{host}:{port}/\n"
           f"  WebSocket:  ws://{host}:{port}/ws\n"
           f"  OpenAI API: http://{host}:{port}/v1\n"
           f"  Redis:      {redis_url}\n"
+          + (f"  metrics:    http://{host}:{metrics_port}/metrics (the worker's)\n" if metrics_port else "") +
           f"  model:      {setup.model} on {setup.device}\n"
           f"  try:        STREAMER_REDIS={redis_url} streamer generate --chat "
           "'What is the capital of France?'\n"

@@ -9,7 +9,7 @@
 - openai_routes.py, openai_jobs.py, openai_request.py, openai_response.py, openai_stream.py: the
   OpenAI-compatible API.
 - hub.py: the Redis side (jobs, cancels, pub/sub relay); watch.py: one request's events in order,
-  gaps filled; metrics.py: counters.
+  gaps filled; metrics.py: the Prometheus metrics (prometheus_client).
 
 Nothing is imported here; import what you need from its module.
 """

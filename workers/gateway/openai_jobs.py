@@ -47,6 +47,9 @@ class JobStream:
         self.queue: asyncio.Queue[tuple[int, dict[str, Any]]] = asyncio.Queue()
         self.watches: dict[str, Any] = {}
         self.finished: set[str] = set()
+        # When its jobs were pushed (time.monotonic()); None for a resumed stream, which has no first
+        # token to time.
+        self.pushed_at: float | None = None
 
     async def watch(self, next_seq: int, *, catch_up: bool) -> None:
         for job, rid in enumerate(self.meta.jobs):
@@ -66,6 +69,15 @@ class JobStream:
             job, event = await self.queue.get()
             if event.get("type") != "token":
                 remaining -= 1
+            yield job, event
+
+    async def relayed(self) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        """events(), timing the first token of a fresh stream as it is handed to the client (of any of
+        the request's jobs: the client sees one answer)."""
+        async for job, event in self.events():
+            if self.pushed_at is not None and event.get("type") == "token":
+                self.gw.metrics.first_token("openai", self.pushed_at)
+                self.pushed_at = None
             yield job, event
 
     async def cancel_unfinished(self) -> None:

@@ -195,6 +195,7 @@ class OpenAIRoutes:
                 claimed.append(job["id"])
             await hub.save_stream_meta(meta.request_id, meta.dumps())
             await stream.watch(0, catch_up=False)  # subscribed before the jobs exist: no token is missed
+            stream.pushed_at = time.monotonic()  # before the push: a token can arrive before it returns
             for job in jobs:
                 await hub.push(job)
                 pushed.append(job["id"])
@@ -212,10 +213,13 @@ class OpenAIRoutes:
 
     def _sse(self, request: Request, meta: StreamMeta, stream: JobStream, after: Position, fresh: bool) -> Response:
         async def body() -> AsyncIterator[str]:
+            open_streams = self.gw.metrics.open_connections("sse")
+            open_streams.inc()
             try:
-                async for text in sse_events(stream.events(), Assembler(meta), meta, after, fresh):
+                async for text in sse_events(stream.relayed(), Assembler(meta), meta, after, fresh):
                     yield text
             finally:  # finished, or the client went away (Starlette cancels the body on disconnect)
+                open_streams.dec()
                 stream.close(cancel=True)
 
         headers = {"X-Request-Id": meta.request_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -75,7 +75,8 @@ def origin_ok(conn: HTTPConnection, allowed: tuple[str, ...]) -> bool:
 
 class Routes:
     def __init__(self, web_root: Path, api_keys: tuple[str, ...], allowed_origins: tuple[str, ...],
-                 health: Callable[[], Awaitable[tuple[bool, dict]]], metrics: Callable[[], str],
+                 health: Callable[[], Awaitable[tuple[bool, dict]]],
+                 metrics: Callable[[str | None], tuple[bytes, str]],
                  on_refused: Callable[[], None], room: Callable[[], bool] = lambda: True,
                  live: Callable[[], dict[str, Any]] = lambda: {"ok": True}) -> None:
         self.files = static_files(web_root)
@@ -123,7 +124,8 @@ class Routes:
     async def _metrics(self, request: Request) -> Response:
         if not key_ok(request, self.api_keys):
             return response(401, "missing or invalid API key\n")
-        return response(200, self.metrics(), "text/plain; version=0.0.4; charset=utf-8")
+        body, content_type = self.metrics(request.headers.get("accept"))  # OpenMetrics if asked for
+        return response(200, body, content_type)
 
     async def static(self, request: Request) -> Response:
         """Anything no route took: one of the page's files, or 404."""

@@ -54,7 +54,7 @@ class Gateway:
         self.hub = Hub(redis_url, self.names, self.metrics, ttl_s=config.request_ttl_s,
                        idle_poll_s=config.idle_poll_s)
         self.routes = Routes(config.web_root, config.api_keys, config.allowed_origins, self.health,
-                             self.render_metrics, lambda: self.metrics.inc("connections_refused_total"),
+                             self.metrics.render, lambda: self.metrics.inc("connections_refused_total"),
                              lambda: len(self.sessions) < config.max_connections, live=self.live)
         self.started = time.monotonic()
         self.started_wall = time.time()
@@ -65,6 +65,10 @@ class Gateway:
         self._watch_workers: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self.sessions: set[Session] = set()
+        # Read at each scrape: nothing to keep up to date on the hot path.
+        self.metrics.track("connections_open", lambda: len(self.sessions))
+        self.metrics.track("requests_inflight", lambda: sum(len(s.requests) for s in self.sessions))
+        self.metrics.open_connections("ws").set_function(lambda: len(self.sessions))
         self._pending_cancels: dict[str, asyncio.TimerHandle] = {}
         self.hub.on_resumed = self.keep  # a resume through any gateway stops our grace-period cancel
         # Requests streaming to HTTP clients now (request id -> count), for the grace cancel's check.
@@ -245,11 +249,6 @@ class Gateway:
                 self._learn(await self.hub.workers())
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), every_s)
-
-    def render_metrics(self) -> str:
-        self.metrics.values["connections_open"] = len(self.sessions)
-        self.metrics.values["requests_inflight"] = sum(len(s.requests) for s in self.sessions)
-        return self.metrics.render()
 
 
 class _Server(uvicorn.Server):

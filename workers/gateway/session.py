@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -99,6 +100,9 @@ class Session:
         self.prompt_limit = prompt_limit  # longest prompt_token_ids a worker can take now (0: unknown)
         self.workers_alive = workers_alive  # live workers the gateway last saw (None: not known yet)
         self.requests: dict[str, Watch] = {}
+        # Generated requests whose first token is not relayed yet: id -> when the job was pushed
+        # (time.monotonic()), for the time-to-first-token histogram. Resumes are not timed.
+        self._pushed_at: dict[str, float] = {}
         # Requests whose client asked for `status` frames (`"progress": true`) until their first event:
         # id -> ordinal in its stream (None: not known), and the status last sent.
         self.progress: dict[str, int | None] = {}
@@ -167,7 +171,7 @@ class Session:
         await self.ws.close(code, reason, self.cfg.close_timeout_s)
 
     def error(self, request_id: str | None, code: str, message: str) -> None:
-        self.metrics.errors[code] += 1
+        self.metrics.error(code)
         self.send(_error_frame(request_id, code, message))
 
     # --- frames ------------------------------------------------------------------------------------
@@ -240,6 +244,7 @@ class Session:
             # Subscribed before the job exists, so the first token cannot be missed.
             await self._watch(rid, 0, catch_up=False)
             self.send(json.dumps(self._accepted(rid)))
+            self._pushed_at[rid] = time.monotonic()  # before the push: a token can arrive before it returns
             ordinal = await self.hub.push(job)
             if _wants_progress(obj):
                 self.progress[rid] = ordinal
@@ -291,8 +296,12 @@ class Session:
         def on_event(event: dict[str, Any], text: str) -> None:
             self.metrics.inc("events_relayed_total")
             self.send(text)
-            if event.get("type") in FINAL_TYPES:
+            kind = event.get("type")
+            if kind == "token" and rid in self._pushed_at and not self.closing:  # sent, not dropped
+                self.metrics.first_token("ws", self._pushed_at.pop(rid))
+            if kind in FINAL_TYPES:
                 self.requests.pop(rid, None)
+                self._pushed_at.pop(rid, None)
 
         w = await self.hub.watch(rid, next_seq, on_event)
         if w.finished:
@@ -328,6 +337,7 @@ class Session:
                     self.send(json.dumps(status.frame(rid)))
 
     def _forget(self, rid: str) -> None:
+        self._pushed_at.pop(rid, None)
         w = self.requests.pop(rid, None)
         if w is not None:
             self.hub.unwatch(w)

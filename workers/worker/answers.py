@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from redis.asyncio import Redis
@@ -28,11 +29,13 @@ DEAD_FIELD_NAME_CHARS = 64
 
 
 class Answers:
-    """Every outcome of a job (tokens, done, error, duplicate, cancel) reaches Redis through these."""
+    """Every outcome of a job (tokens, done, error, duplicate, cancel) reaches Redis through these.
+    `on_dead_letter(reason)` is called once Redis holds a dead letter (metrics)."""
 
-    def __init__(self, redis: Redis, config: WorkerConfig, state: WorkerState, writer: EventWriter) -> None:
+    def __init__(self, redis: Redis, config: WorkerConfig, state: WorkerState, writer: EventWriter,
+                 on_dead_letter: Callable[[str], None] = lambda reason: None) -> None:
         self.redis, self.names, self.consumer, self.cfg = redis, config.names, config.consumer, config
-        self.state, self.writer = state, writer
+        self.state, self.writer, self.on_dead_letter = state, writer, on_dead_letter
 
     def emit(self, run: RunningJob, events: list[dict], error: ProtocolError | None = None,
              final: bool = True) -> None:
@@ -90,6 +93,7 @@ class Answers:
                 await pipe.execute()
 
         await retry("dead letter", log, write)
+        self.on_dead_letter(error.code)
 
     async def ack(self, stream: str, entry_id: str) -> None:
         async def ack() -> None:  # a fresh pipeline per attempt: a failed execute empties it

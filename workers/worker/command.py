@@ -20,8 +20,10 @@ import anyio
 
 from clients.protocol import Limits
 from streamer import EngineConfig
+from workers.arg_types import optional_port
 from workers.redis_options import add_pool_arguments, add_redis_arguments, check_redis, names_from_args
 from workers.worker.config import WorkerConfig
+from workers.worker.metrics_server import check_port
 
 # Short aliases for the options people type most.
 _ALIASES = {"tensor_parallel_size": ["--tp"]}
@@ -107,6 +109,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--served-model-name", default=None,
                    help="the model's name in the OpenAI API (`model`, /v1/models); default: the checkpoint "
                         "directory's name")
+    w.add_argument("--metrics-port", type=optional_port, default=0,
+                   help="serve Prometheus metrics (vLLM's names, and the queue's) on this port at /metrics "
+                        "(0: off)")
+    w.add_argument("--metrics-host", default="0.0.0.0", help="address the --metrics-port server listens on")
     w.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
 
 
@@ -118,7 +124,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
                         max_deliveries=args.max_deliveries, grace_s=args.grace, model_name=args.model,
                         served_model_name=args.served_model_name or Path(args.model).name,
                         dead_payload_bytes=args.dead_payload_bytes, dead_max_age_s=args.dead_max_age,
-                        dead_max_len=args.dead_max_len, consumer_idle_s=args.consumer_idle)
+                        dead_max_len=args.dead_max_len, consumer_idle_s=args.consumer_idle,
+                        metrics_port=args.metrics_port, metrics_host=args.metrics_host)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -149,5 +156,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.cluster = check_redis(args.redis)
+    if args.metrics_port:  # before the model loads: a taken port is then reported at once
+        check_port(args.metrics_host, args.metrics_port)
     anyio.run(serve, args, backend="asyncio")
     return 0

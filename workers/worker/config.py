@@ -38,6 +38,9 @@ class WorkerConfig:
     # A consumer of the group that holds no entry and has not read for this long is deleted by the
     # reclaimer (a worker that crashed long ago); 0: 20 x claim_idle_s (10 min at the default).
     consumer_idle_s: float = 0.0
+    # Prometheus metrics (metrics.py, queue_metrics.py) on http://metrics_host:metrics_port/metrics; 0: off.
+    metrics_port: int = 0
+    metrics_host: str = "0.0.0.0"
 
     def __post_init__(self) -> None:
         self.consumer = self.consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"

@@ -8,6 +8,7 @@ trip was in flight as one pipeline: all events of one engine step go out togethe
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -94,11 +95,14 @@ class Write:
 
 class EventWriter:
     """`on_fenced(request_id, epoch)`: Redis refused a request's writes because another worker
-    claimed the job since (this one was presumed dead); that job must stop here at once."""
+    claimed the job since (this one was presumed dead); that job must stop here at once.
+    `on_round_trip(seconds)`: the time of each round trip that went through (metrics)."""
 
     def __init__(self, redis: Redis, names: Names, events_ttl_ms: int,
-                 on_fenced: Callable[[str, int], None] = lambda request_id, epoch: None) -> None:
+                 on_fenced: Callable[[str, int], None] = lambda request_id, epoch: None,
+                 on_round_trip: Callable[[float], None] = lambda seconds: None) -> None:
         self.redis, self.names, self.ttl_ms, self.on_fenced = redis, names, events_ttl_ms, on_fenced
+        self.on_round_trip = on_round_trip
         self.cluster = names.cluster
         self._append = redis.register_script(
             _APPEND_AND_PUBLISH.replace("'PUBLISH'", "'SPUBLISH'") if self.cluster else _APPEND_AND_PUBLISH)
@@ -170,7 +174,9 @@ class EventWriter:
             ack_groups = self._by_stream(acks) if not self.cluster else []
             for writes in ack_groups:
                 await scripts.queue(pipe, self._ack, *self._ack_args(writes))
+            started = time.monotonic()
             replies = await pipe.execute(raise_on_error=False)
+            self.on_round_trip(time.monotonic() - started)
         self.round_trips += 1
         self._check(replies)
         parts = [*groups, *ack_groups]
@@ -202,7 +208,9 @@ class EventWriter:
                 pipe.xdel(w.ack_stream or names.requests, w.ack_entry or "")
                 pipe.pexpire(names.job(w.request_id), self.ttl_ms)
                 pipe.pexpire(names.fence(w.request_id), self.ttl_ms)
+            started = time.monotonic()
             replies = await pipe.execute(raise_on_error=False)
+            self.on_round_trip(time.monotonic() - started)
         self.round_trips += 1
         self._check(replies)
 

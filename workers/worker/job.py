@@ -23,6 +23,7 @@ from workers.worker.answers import Answers
 from workers.worker.attempts import Attempts
 from workers.worker.config import WorkerConfig
 from workers.worker.engine import Engine
+from workers.worker.metrics import WorkerMetrics
 from workers.worker.state import Delivery, RunningJob, WorkerState
 
 log = logging.getLogger("streamer.worker")
@@ -33,8 +34,9 @@ class JobRunner:
     """The task of one job, from its checks to its last event (answered through `Answers`)."""
 
     def __init__(self, engine: Engine, config: WorkerConfig, state: WorkerState, answers: Answers,
-                 attempts: Attempts) -> None:
+                 attempts: Attempts, metrics: WorkerMetrics) -> None:
         self.engine, self.cfg, self.state, self.answers, self.attempts = engine, config, state, answers, attempts
+        self.metrics = metrics
 
     async def run(self, d: Delivery) -> None:
         """The task of one delivery (intake started it after `WorkerState.job_read`)."""
@@ -96,6 +98,7 @@ class JobRunner:
             return
         if d.cancelled or self.state.take_cancel(job.id):
             self.answers.emit(run, [done_event(job.id, run.next_seq, ["abort"] * params.n, _usage(0, 0, 0))])
+            self.metrics.finished(["abort"] * params.n)
             return
         self.state.running[job.id] = run
         with run.scope:
@@ -177,11 +180,13 @@ class JobRunner:
         job = run.job
         emitted = {k: len(v) for k, v in state.token_ids.items()}  # counts include a resumed run's
         reasons: dict[int, str] = {}
+        observed = self.metrics.request(run.entry_id, fresh=state.next_seq == 0)
         while True:
             if out.error is not None:  # the engine ran everyone else's step without this request
+                self.metrics.finished(["error"] * params.n)
                 await self.answers.fail(run, "internal", f"the engine could not run this request: {out.error}")
                 return
-            events = []
+            events, new_tokens = [], 0
             for c in out.outputs:
                 if c.token_ids:
                     texts = None if c.logprobs is None else [self.engine.token_texts(list(step))
@@ -189,15 +194,18 @@ class JobRunner:
                     events.append(token_event(job.id, run.next_seq + len(events), c.index,
                                               list(c.token_ids), c.text, c.logprobs, texts))
                     emitted[c.index] = emitted.get(c.index, 0) + len(c.token_ids)
+                    new_tokens += len(c.token_ids)
                 if c.finish_reason is not None:
                     reasons[c.index] = c.finish_reason
+            observed.output(out, new_tokens)
             if out.finished:
                 usage = _usage(len(out.prompt_token_ids), sum(emitted.values()), out.num_cached_tokens)
                 # Samples are n, or beam_width beams (which arrive whole, in the last output).
                 count = max(params.n, 1 + max([*reasons, *emitted], default=0))
-                events.append(done_event(job.id, run.next_seq + len(events),
-                                         [reasons.get(k, "abort") for k in range(count)], usage))
+                finish_reasons = [reasons.get(k, "abort") for k in range(count)]
+                events.append(done_event(job.id, run.next_seq + len(events), finish_reasons, usage))
                 self.answers.emit(run, events)
+                observed.finished(out, finish_reasons, params, emitted)
                 return
             if events:
                 self.answers.emit(run, events, final=False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -51,11 +52,14 @@ return removed
 
 
 class Reclaimer:
-    """Takes over entries of dead workers and hands them to `Intake` like freshly read ones."""
+    """Takes over entries of dead workers and hands them to `Intake` like freshly read ones;
+    `on_reclaim(stream)` is called for each entry taken over (metrics)."""
 
-    def __init__(self, redis: Redis, config: WorkerConfig, state: WorkerState, intake: Intake) -> None:
+    def __init__(self, redis: Redis, config: WorkerConfig, state: WorkerState, intake: Intake,
+                 on_reclaim: Callable[[str], None] = lambda stream: None) -> None:
         self.redis, self.cfg, self.names = redis, config, config.names
         self.state, self.intake = state, intake
+        self.on_reclaim = on_reclaim
         self._drop_idle = redis.register_script(_DROP_IDLE_CONSUMERS)
         self._live = live_script(redis)
         self._next_cleanup = 0.0  # monotonic time of the next look for idle consumers
@@ -116,5 +120,6 @@ class Reclaimer:
         for (entry_id, fields), info in zip(entries, pending, strict=True):
             deliveries = info[0]["times_delivered"] if info else 1
             log.info("reclaimed job entry %s (delivery %d)", as_str(entry_id), deliveries)
+            self.on_reclaim(stream)
             batch.append((stream, entry_id, fields, deliveries))
         await self.intake.start_batch(batch, jobs)

@@ -2,7 +2,8 @@
 
 Task layout (anyio, one task group each, nothing outlives `Worker.run`):
   services: event writer, heartbeat (stats + keeping our pending entries fresh), cancel listener,
-            prompt progress of long prompts (progress.py), engine step records (steps.py)
+            prompt progress of long prompts (progress.py), engine step records (steps.py), with
+            --metrics-port the queue's metrics (queue_metrics.py; metrics.py serves /metrics)
   reading:  XREADGROUP reader (intake) and XAUTOCLAIM reclaimer, both stopped first on shutdown
   jobs:     one task per request (a `JobRunner.run`), each owning its engine stream; cancelled (not
             answered) when the shutdown grace period runs out, so another worker resumes them
@@ -33,7 +34,9 @@ from workers.worker.event_writer import EventWriter
 from workers.worker.heartbeat import Heartbeat
 from workers.worker.intake import Intake
 from workers.worker.job import JobRunner
+from workers.worker.metrics import WorkerMetrics
 from workers.worker.progress import ProgressReporter
+from workers.worker.queue_metrics import QUEUE_POLL_S, QueueMonitor
 from workers.worker.reclaim import Reclaimer
 from workers.worker.state import WorkerState
 from workers.worker.steps import StepMonitor
@@ -59,19 +62,24 @@ class Worker:
         self.redis = async_client(config.redis_url, config.redis_max_connections, config.redis_pool_timeout_s,
                                   cluster=config.names.cluster, socket_connect_timeout=2)
         self.state = WorkerState(engine.admission_capacity)
+        # Counted whether or not --metrics-port serves them (a few microseconds per job and step).
+        self.metrics = m = WorkerMetrics(engine, config.served_model_name or config.model_name, config.consumer)
         self.writer = EventWriter(self.redis, self.names, int(config.events_ttl_s * 1000),
-                                  on_fenced=self.state.fenced)
-        self.answers = Answers(self.redis, config, self.state, self.writer)
-        self.runner = JobRunner(engine, config, self.state, self.answers, Attempts(self.redis, self.names))
+                                  on_fenced=self.state.fenced, on_round_trip=m.event_write)
+        self.answers = Answers(self.redis, config, self.state, self.writer, on_dead_letter=m.dead_lettered)
+        self.runner = JobRunner(engine, config, self.state, self.answers, Attempts(self.redis, self.names), m)
         self.intake = Intake(self.redis, config, self.state, self.runner)
-        self.reclaimer = Reclaimer(self.redis, config, self.state, self.intake)
+        self.reclaimer = Reclaimer(self.redis, config, self.state, self.intake, on_reclaim=m.reclaimed)
+        self.queue = QueueMonitor(config, m.registry, on_reconnect=m.reconnected,
+                                  every_s=min(QUEUE_POLL_S, config.heartbeat_s))
         self.cancels = CancelListener(self.redis, self.names, engine, self.state)
         self._leave_group = self.redis.register_script(_LEAVE_GROUP)
         self.heartbeat = Heartbeat(self.redis, config, engine, self.state, self.writer, self.cancels)
         self.progress = ProgressReporter(self.redis, self.names, engine, self.state, config.consumer,
                                          config.progress_every_s)
-        # Sinks of the engine's step records (the metrics add theirs); slow steps are traced.
-        self.steps = StepMonitor(self.redis, self.names, engine, config.consumer, config.traces, sinks=[])
+        # Sinks of the engine's step records; slow steps are traced.
+        self.steps = StepMonitor(self.redis, self.names, engine, config.consumer, config.traces,
+                                 sinks=[m.observe_steps])
 
     @property
     def ready(self) -> anyio.Event:
@@ -96,12 +104,18 @@ class Worker:
                  self.names.requests)
         await self.intake.ensure_group()
         try:
+            if cfg.metrics_port:
+                self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
+                log.info("worker %s: metrics on http://%s:%d/metrics", cfg.consumer, cfg.metrics_host,
+                         cfg.metrics_port)
             async with anyio.create_task_group() as services:
                 services.start_soon(self.writer.run)
                 services.start_soon(self.heartbeat.loop)
                 services.start_soon(self.cancels.listen)
                 services.start_soon(self.progress.loop)
                 services.start_soon(self.steps.loop)
+                if cfg.metrics_port:
+                    services.start_soon(self.queue.loop)
                 async with anyio.create_task_group() as jobs:
                     await self._read_until_stopped(jobs)
                     await self._finish_jobs(jobs)
@@ -112,6 +126,9 @@ class Worker:
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(2):
                 await self._leave()
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.metrics.close)
+                await self.queue.aclose()
             await self.redis.aclose()
         if self.state.engine_error is not None:
             raise RuntimeError(f"worker stopped: the engine failed ({self.state.engine_error})")
