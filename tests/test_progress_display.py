@@ -14,6 +14,7 @@ import sys
 import termios
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -42,9 +43,9 @@ def terminal_env(**extra: str) -> dict[str, str]:
     return {**env, "TERM": "xterm-256color", "COLUMNS": "100", "PYTHONPATH": str(ROOT), **extra}
 
 
-def _drain(fd: int, chunks: list[bytes], deadline: float) -> None:
-    """Read a pty's master side until the other side is closed (EIO) or the deadline."""
-    while time.monotonic() < deadline:
+def read_pty(fd: int, chunks: list[bytes], deadline: float, until: Callable[[bytes], bool] | None = None) -> None:
+    """Read a pty's master side until the other side is closed (EIO), the deadline, or `until(all so far)`."""
+    while time.monotonic() < deadline and not (until and until(b"".join(chunks))):
         if not select.select([fd], [], [], 0.1)[0]:
             continue
         try:
@@ -69,7 +70,7 @@ def pty_output(argv: list[str], env: dict[str, str], timeout: float = 30) -> str
     proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=ROOT)
     os.close(slave)
     chunks: list[bytes] = []
-    _drain(master, chunks, time.monotonic() + timeout)
+    read_pty(master, chunks, time.monotonic() + timeout)
     os.close(master)
     assert proc.wait(10) == 0, b"".join(chunks)[-2000:]
     return b"".join(chunks).decode().replace("\r\n", "\n")
@@ -209,7 +210,7 @@ def test_conversion_shows_a_spinner_on_a_terminal(tmp_path: Path, monkeypatch: p
     monkeypatch.setenv("COLUMNS", "100")
     master, slave = _open_pty()
     chunks: list[bytes] = []
-    reader = threading.Thread(target=_drain, args=(master, chunks, time.monotonic() + 30))
+    reader = threading.Thread(target=read_pty, args=(master, chunks, time.monotonic() + 30))
     reader.start()
     terminal = os.fdopen(slave, "w")
     try:

@@ -9,7 +9,6 @@ import io
 import json
 import os
 import re
-import select
 import signal
 import struct
 import subprocess
@@ -22,7 +21,7 @@ from typing import Any
 import redis
 from redis_worker_helpers import worker_process
 from rich.console import Console
-from test_progress_display import ANSI, screen, terminal_env
+from test_progress_display import ANSI, read_pty, screen, terminal_env
 
 from clients.heartbeats import live_workers
 from clients.protocol import Names, encode_job
@@ -44,20 +43,6 @@ def top(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in _env().items() if k != "COLUMNS"}
     return subprocess.run([sys.executable, "-m", "workers.cli", "top", *args], capture_output=True, text=True,
                           timeout=30, cwd=ROOT, env=env)
-
-
-def _read(fd: int, chunks: list[bytes], until: Any, deadline: float) -> None:
-    """Read a pty's master side until `until(bytes so far)`, the other side closes (EIO) or the deadline."""
-    while time.monotonic() < deadline and not until(b"".join(chunks)):
-        if not select.select([fd], [], [], 0.1)[0]:
-            continue
-        try:
-            data = os.read(fd, 65536)
-        except OSError:
-            return
-        if not data:
-            return
-        chunks.append(data)
 
 
 def _wait_for_worker(url: str, name: str, log: Path, timeout: float = 60) -> None:
@@ -88,10 +73,10 @@ def test_live_view_on_a_terminal_until_ctrl_c(llama_ckpt: Path, redis_url: str, 
                                 stdin=slave, stdout=slave, stderr=slave, env=_env(COLUMNS="160"), cwd=ROOT)
         os.close(slave)
         chunks: list[bytes] = []
-        _read(master, chunks, lambda raw: raw.count(b"Workers (1)") >= 4 and TOKS.search(ANSI.sub("", raw.decode(
-            errors="replace"))) is not None, time.monotonic() + 20)
+        read_pty(master, chunks, time.monotonic() + 20, lambda raw: raw.count(b"Workers (1)") >= 4 and TOKS.search(
+            ANSI.sub("", raw.decode(errors="replace"))) is not None)
         proc.send_signal(signal.SIGINT)  # Ctrl-C
-        _read(master, chunks, lambda raw: False, time.monotonic() + 10)
+        read_pty(master, chunks, time.monotonic() + 10)
         os.close(master)
         status = proc.wait(10)
     finally:

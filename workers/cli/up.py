@@ -17,10 +17,8 @@ redis-server (parent-death signal). Any other STREAMER_* variable in the environ
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import signal
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -32,7 +30,8 @@ from clients.heartbeats import live_workers
 from clients.protocol import Names
 from workers.arg_types import optional_port, port_number, redis_url
 from workers.cli.processes import Child, Phases
-from workers.errors import PortInUse, UserError
+from workers.errors import UserError
+from workers.ports import check_port_free
 from workers.progress_display import task
 from workers.redis_options import check_redis, sync_client
 from workers.redis_server import RedisServer, free_port
@@ -70,19 +69,6 @@ def _raise_stop(signum: int, frame: object) -> None:
 
 
 # --- checks -----------------------------------------------------------------------------------
-
-def check_port_free(host: str, port: int) -> None:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        # The gateway's server sets SO_REUSEADDR too, so a port in TIME_WAIT counts as free.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise PortInUse(f"port {port} is already in use on {host}: stop the program using it "
-                                "or pick another with --port N (or STREAMER_PORT)") from exc
-            raise UserError(f"cannot listen on {host}:{port} ({exc.strerror}): check --host") from exc
-
 
 def worker_names(url: str, prefix: str) -> set[str]:
     """Consumer names of the workers alive on this Redis, from the heartbeat set (no key scan)."""

@@ -8,7 +8,6 @@ into underscores on its sample lines (prometheus/client_python#1177): the series
 
 from __future__ import annotations
 
-import errno
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,7 +15,7 @@ from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from workers.errors import PortInUse, UserError
+from workers.ports import check_port_free
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -55,12 +54,4 @@ class MetricsServer:
 
 def check_port(host: str, port: int) -> None:
     """A one-line error now (before the model loads) when host:port cannot be listened on."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server does
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise PortInUse(f"port {port} is already in use on {host}: stop the program using it or "
-                                "pick another with --metrics-port N (or STREAMER_METRICS_PORT)") from exc
-            raise UserError(f"cannot listen on {host}:{port} ({exc.strerror}): check --metrics-host") from exc
+    check_port_free(host, port, "--metrics-port", "--metrics-host")
