@@ -128,7 +128,8 @@ class LLMEngine:
         if scheduled.scheduled:
             self._num_steps += 1
             self.step_records.append(StepRecord(self._num_steps, t0, len(scheduled.scheduled), *counts,
-                                                schedule_s=t1 - t0, execute_s=t2 - t1, process_s=t3 - t2))
+                                                schedule_s=t1 - t0, execute_s=t2 - t1, process_s=t3 - t2,
+                                                phases=getattr(self.runner, "phases", None)))
         return outputs
 
     def take_step_records(self) -> list[StepRecord]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import numpy as np
 import torch
@@ -14,6 +15,7 @@ from streamer.layers.cpu_gemm import pack_model
 from streamer.model_config import ModelConfig
 from streamer.model_loader import load_weights
 from streamer.models.llama import LlamaForCausalLM
+from streamer.outputs import StepPhases
 from streamer.parallel_state import SINGLE, TPGroup, building_with
 from streamer.request import Sequence
 from streamer.sampler import Sampler, SamplerOutput
@@ -35,6 +37,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.backend = get_backend(config.attention_backend, device)
         self.sampler = sampler
+        self.phases: StepPhases | None = None  # of the last step run
         self.tp = tp_group
         torch.set_default_dtype(model_config.dtype)
         try:
@@ -109,10 +112,19 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]] | None = None
                 ) -> tuple[list[Sequence], SamplerOutput | None]:
-        """Run one step; returns the sequences that sampled, and what they sampled (in order)."""
+        """Run one step; returns the sequences that sampled, and what they sampled (in order). Its phases'
+        times are left in `phases` (on CUDA the forward pass's kernels finish inside sampling, whose
+        copy to the host waits for them: there the split is where the host waited, not the GPU)."""
+        t0 = time.monotonic()
         step = flatten_step(scheduled, block_copies, self.block_size)
         flat = payload_tensor(step.payload).to(self.device, non_blocking=True)
-        return self.sample(step, self.run(unflatten_step(step.header, flat)))
+        inputs = unflatten_step(step.header, flat)
+        t1 = time.monotonic()
+        logits = self.run(inputs)
+        t2 = time.monotonic()
+        result = self.sample(step, logits)
+        self.phases = StepPhases(prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=time.monotonic() - t2)
+        return result
 
 
 def _available_memory() -> int:

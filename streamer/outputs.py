@@ -26,6 +26,15 @@ class RequestMetrics:
 
 
 @dataclass(frozen=True)
+class StepPhases:
+    """Where a step's execution went (seconds), as the in-process model runner measures it."""
+
+    prepare_s: float  # flattening the batch, copying it to the device, building the inputs
+    forward_s: float
+    sample_s: float
+
+
+@dataclass(frozen=True)
 class StepRecord:
     """One engine step: what ran and where its time went (seconds), for metrics and slow-step traces."""
 
@@ -37,6 +46,7 @@ class StepRecord:
     schedule_s: float
     execute_s: float  # preparing the inputs, the forward pass and sampling
     process_s: float  # updating the sequences, detokenizing, stop checks
+    phases: StepPhases | None = None  # execute_s split up (None: a tensor-parallel executor)
 
     @property
     def total_s(self) -> float:

@@ -18,6 +18,9 @@ def test_each_step_is_recorded_once_with_its_tokens_and_times(llama_ckpt: Path) 
     assert [(r.num_tokens, r.num_prefill_tokens) for r in records] == [(16, 16), (16, 16), (8, 8), (1, 0), (1, 0)]
     assert [r.index for r in records] == [1, 2, 3, 4, 5] and all(r.num_seqs == 1 for r in records)
     assert all(r.schedule_s > 0 and r.execute_s > 0 and r.process_s > 0 for r in records)
+    # The in-process runner splits execute into its phases (inside execute's time).
+    assert all(r.phases is not None and r.phases.forward_s > 0 and r.phases.sample_s > 0 and
+               r.phases.prepare_s + r.phases.forward_s + r.phases.sample_s <= r.execute_s for r in records)
     assert all(a.started + a.total_s <= b.started for a, b in zip(records, records[1:], strict=False))
     assert engine.take_step_records() == []  # taken once
     m = outputs[-1].metrics

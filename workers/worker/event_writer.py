@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 from redis.asyncio import Redis
@@ -113,6 +114,21 @@ class EventWriter:
         self._idle = anyio.Event()
         self._idle.set()
         self.round_trips = 0
+        self._slowest = 0.0
+
+    def take_slowest_round_trip(self) -> float:
+        """The slowest round trip (seconds) since the last call (for slow-step traces)."""
+        slowest, self._slowest = self._slowest, 0.0
+        return slowest
+
+    async def _execute(self, pipe: Any) -> list[Any]:
+        started = time.monotonic()
+        replies = await pipe.execute(raise_on_error=False)
+        elapsed = time.monotonic() - started
+        self.on_round_trip(elapsed)
+        self._slowest = max(self._slowest, elapsed)
+        self.round_trips += 1
+        return replies
 
     def put(self, write: Write) -> None:
         self._pending.append(write)
@@ -174,10 +190,7 @@ class EventWriter:
             ack_groups = self._by_stream(acks) if not self.cluster else []
             for writes in ack_groups:
                 await scripts.queue(pipe, self._ack, *self._ack_args(writes))
-            started = time.monotonic()
-            replies = await pipe.execute(raise_on_error=False)
-            self.on_round_trip(time.monotonic() - started)
-        self.round_trips += 1
+            replies = await self._execute(pipe)
         self._check(replies)
         parts = [*groups, *ack_groups]
         fenced = {(writes[k - 1].request_id, writes[k - 1].epoch) for writes, reply in zip(parts, replies)
@@ -208,10 +221,7 @@ class EventWriter:
                 pipe.xdel(w.ack_stream or names.requests, w.ack_entry or "")
                 pipe.pexpire(names.job(w.request_id), self.ttl_ms)
                 pipe.pexpire(names.fence(w.request_id), self.ttl_ms)
-            started = time.monotonic()
-            replies = await pipe.execute(raise_on_error=False)
-            self.on_round_trip(time.monotonic() - started)
-        self.round_trips += 1
+            replies = await self._execute(pipe)
         self._check(replies)
 
     def _check(self, replies: list) -> None:

@@ -79,7 +79,7 @@ class Worker:
                                          config.progress_every_s)
         # Sinks of the engine's step records; slow steps are traced.
         self.steps = StepMonitor(self.redis, self.names, engine, config.consumer, config.traces,
-                                 sinks=[m.observe_steps])
+                                 sinks=[m.observe_steps], event_writes=self.writer.take_slowest_round_trip)
 
     @property
     def ready(self) -> anyio.Event:

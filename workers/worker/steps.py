@@ -58,13 +58,13 @@ class SlowSteps:
         ordered = sorted(self.window)
         return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else 0.0
 
-    def observe(self, records: list[StepRecord]) -> list[dict[str, Any]]:
+    def observe(self, records: list[StepRecord], event_write_s: float = 0.0) -> list[dict[str, Any]]:
         traces = []
         threshold = self._threshold()
         for r in records:
             self.ring.append(r)
             if threshold is not None and r.total_s > threshold:
-                traces.append(self._trace(r, threshold))
+                traces.append(self._trace(r, threshold, event_write_s))
             self.window.append(r.total_s)
         return traces
 
@@ -73,17 +73,19 @@ class SlowSteps:
             return None
         return max(self.cfg.floor_s, self.cfg.factor * self.p99())
 
-    def _trace(self, slow: StepRecord, threshold: float) -> dict[str, Any]:
+    def _trace(self, slow: StepRecord, threshold: float, event_write_s: float) -> dict[str, Any]:
         return {"worker": self.worker, "step": slow.index, "at_ms": int((slow.started + self._wall_offset) * 1000),
                 "total_s": round(slow.total_s, 6), "threshold_s": round(threshold, 6),
-                "p99_s": round(self.p99(), 6), "breakdown": _breakdown(slow),
+                "p99_s": round(self.p99(), 6), "breakdown": _breakdown(slow, event_write_s),
                 "steps": [{**asdict(r), "total_s": r.total_s} for r in self.ring]}
 
 
 class StepMonitor:
     def __init__(self, redis: Redis, names: Names, engine: Engine, worker: str, cfg: TraceConfig,
-                 sinks: list[StepSink]) -> None:
+                 sinks: list[StepSink], event_writes: Callable[[], float] = lambda: 0.0) -> None:
+        """`event_writes()`: the slowest event-write round trip since the last call."""
         self.redis, self.names, self.engine, self.cfg, self.sinks = redis, names, engine, cfg, sinks
+        self.event_writes = event_writes
         self.slow = SlowSteps(cfg, worker)
         self.traces_written = 0
 
@@ -98,7 +100,7 @@ class StepMonitor:
             return
         for sink in self.sinks:
             sink(records)
-        for trace in self.slow.observe(records):
+        for trace in self.slow.observe(records, self.event_writes()):
             text = json.dumps(trace, separators=(",", ":"))
             log.warning("slow step: %s", text)
             try:
@@ -108,6 +110,10 @@ class StepMonitor:
                 log.debug("slow-step trace not written to Redis: %r", e)
 
 
-def _breakdown(r: StepRecord) -> dict[str, float]:
-    return {"schedule_s": round(r.schedule_s, 6), "execute_s": round(r.execute_s, 6),
-            "process_s": round(r.process_s, 6)}
+def _breakdown(r: StepRecord, event_write_s: float) -> dict[str, float]:
+    parts = {"schedule_s": r.schedule_s, "execute_s": r.execute_s, "process_s": r.process_s}
+    if r.phases is not None:
+        parts.update(prepare_s=r.phases.prepare_s, forward_s=r.phases.forward_s, sample_s=r.phases.sample_s)
+    # Event writes run beside the steps, not in them: the slowest round trip of the look that saw it.
+    parts["event_write_s"] = event_write_s
+    return {k: round(v, 6) for k, v in parts.items()}
