@@ -206,6 +206,18 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+SPEC_MAX_DEPTH = 64  # params.structured_outputs (a JSON schema) is exempt from max_depth, not unbounded
+
+
+def _split_spec(obj: dict[Any, Any]) -> tuple[dict[Any, Any], Any]:
+    """The job without params.structured_outputs, and that spec (None when there is none)."""
+    params = obj.get("params")
+    if not isinstance(params, dict) or "structured_outputs" not in params:
+        return obj, None
+    rest = {**obj, "params": {k: v for k, v in params.items() if k != "structured_outputs"}}
+    return rest, params["structured_outputs"]
+
+
 def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
     """Check a decoded request map against schema version 1."""
     if not isinstance(obj, dict):
@@ -218,9 +230,15 @@ def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
 
     if request_id is None:
         raise bad("`id` must be a string of 1-128 characters from A-Z a-z 0-9 . _ : @ / + = -")
-    depth, text_ok = _walk(obj, limits.max_depth)
+    rest, spec = _split_spec(obj)
+    depth, text_ok = _walk(rest, limits.max_depth)
     if depth > limits.max_depth:
         raise bad(f"payload is nested deeper than {limits.max_depth} levels", "bad_encoding")
+    if spec is not None:  # a JSON schema nests as deep as its data: bounded by size, and this
+        spec_depth, spec_text_ok = _walk(spec, SPEC_MAX_DEPTH)
+        if spec_depth > SPEC_MAX_DEPTH:
+            raise bad(f"params.structured_outputs is nested deeper than {SPEC_MAX_DEPTH} levels", "invalid_params")
+        text_ok = text_ok and spec_text_ok
     if not text_ok:  # before any message that quotes the job's strings
         raise bad("every string must be valid Unicode: one holds a lone surrogate (an unpaired \\ud800-"
                   "\\udfff escape) or bytes that are not UTF-8")

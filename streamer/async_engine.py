@@ -100,6 +100,8 @@ class AsyncEngine:
         await self.start()
         assert self._loop is not None
         prompt = await self._loop.run_in_executor(self._tokenizing, self._prompts.tokenize, prompt)
+        if params.structured_outputs is not None:  # compiled here, so the engine thread finds it cached
+            await self._loop.run_in_executor(self._tokenizing, self._compile, params.structured_outputs)
         accepted: asyncio.Future[None] = self._loop.create_future()
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._pending_adds += 1
@@ -125,6 +127,9 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    def _compile(self, spec: dict[str, Any]) -> None:
+        self.engine.grammars().compile(spec)  # GrammarError (a ValueError) for a spec that does not compile
 
     def abort(self, request_id: str) -> None:
         """Abort from any thread; its blocks are freed before the next step runs."""

@@ -15,3 +15,7 @@ class EngineDeadError(RuntimeError):
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank died or failed; the engine that owned it cannot run any more."""
+
+
+class GrammarError(ValueError):
+    """A request's structured_outputs spec does not compile (invalid schema, regex or grammar)."""

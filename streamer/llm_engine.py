@@ -6,6 +6,7 @@ its blocks, the executor runs the model, the output processor turns tokens into 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import deque
 from typing import Any
@@ -13,9 +14,10 @@ from typing import Any
 import torch
 
 from streamer.config import EngineConfig
-from streamer.errors import ConfigError
+from streamer.errors import ConfigError, GrammarError
 from streamer.executor import make_executor
 from streamer.fault_isolation import execute_isolated
+from streamer.grammar import GrammarCompiler
 from streamer.model_config import ModelConfig
 from streamer.output_processor import OutputProcessor
 from streamer.outputs import PromptProgress, RequestOutput, StepRecord
@@ -64,6 +66,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.prompts = PromptProcessor(self.tokenizer, self.model_config.hf_config.vocab_size, self.max_model_len)
         self.step_records: deque[StepRecord] = deque(maxlen=STEP_RECORDS)  # take_step_records() drains it
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
         self._num_steps = 0
 
     # ---- requests in -------------------------------------------------------------------------
@@ -96,9 +100,28 @@ class LLMEngine:
             raise ValueError(f"stop token id {outside[0]} is outside the vocabulary [0, {vocab})")
         seqs = [Sequence(request_id=request_id, index=i, token_ids=tokens + list(resume[i] if i < len(resume) else []),
                          num_prompt_tokens=len(tokens), params=params, priority=priority) for i in range(params.n)]
+        if params.structured_outputs is not None:
+            self._constrain(seqs, params.structured_outputs)
         request = Request(request_id, tokens, params, seqs, text)
         self.scheduler.add_request(request, resumed=bool(resume))
         self.output_processor.add_request(request, resume)
+
+    def grammars(self) -> GrammarCompiler:
+        """The compiler of structured_outputs specs (xgrammar loads on the first constrained request)."""
+        with self._grammars_lock:  # the first call may come from the tokenizing thread
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.hf_config.vocab_size,
+                                                 set(self.eos_token_ids))
+        return self._grammars
+
+    def _constrain(self, seqs: list[Sequence], spec: dict[str, Any]) -> None:
+        """A matcher per sequence; a resumed one is brought to where its tokens already are."""
+        compiler = self.grammars()
+        compiled = compiler.compile(spec)
+        for seq in seqs:
+            seq.grammar = compiler.matcher(compiled)
+            if not all(seq.grammar.accept(t) for t in seq.output_token_ids):
+                raise GrammarError("the tokens it resumes from do not match its structured_outputs")
 
     def abort_request(self, request_id: str, error: str | None = None) -> bool:
         """Stop a request; with `error`, its last output says why it failed (finish_reason "error")."""

@@ -9,9 +9,13 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from streamer.outputs import RequestMetrics
 from streamer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from streamer.grammar import GrammarState
 
 _seq_ids = itertools.count()
 
@@ -45,6 +49,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     num_preemptions: int = 0
+    grammar: GrammarState | None = field(default=None, repr=False)  # structured outputs (grammar.py)
 
     @property
     def num_tokens(self) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from streamer.grammar import apply_masks
 from streamer.request import Sequence
 
 
@@ -33,6 +34,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """`logits` `[N, V]` (any float dtype), one row per sequence that samples this step."""
         raw = logits.float()
+        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if constrained:  # tokens the output's grammar does not allow next are never drawn
+            raw = raw.clone() if raw is logits else raw
+            apply_masks(raw, constrained, [seqs[i].grammar for i in constrained])  # type: ignore[misc]
         penalised = self._apply_penalties(raw.clone(), seqs)
         tokens = penalised.argmax(dim=-1)
         greedy = [s.params.greedy for s in seqs]

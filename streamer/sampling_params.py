@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from streamer.structured_outputs import check_spec
+
 _INT64_MAX = 2**63 - 1
 
 
@@ -31,6 +33,9 @@ class SamplingParams:
     beam_width: int = 4
     length_penalty: float = 1.0
     early_stopping: bool = False
+    # What the output must match (structured_outputs.py): a JSON schema, any JSON, a regex, a choice
+    # or a grammar; None: unconstrained.
+    structured_outputs: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
@@ -101,6 +106,9 @@ class SamplingParams:
         _require(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]")
         _require(1 <= self.beam_width <= 32, f"beam_width must be in [1, 32], got {self.beam_width}")
         _require(-10.0 <= self.length_penalty <= 10.0, "length_penalty must be in [-10, 10]")
+        if self.structured_outputs is not None:
+            self.structured_outputs = check_spec(self.structured_outputs)
+            _require(not self.use_beam_search, "structured_outputs is not supported with beam search")
         if self.use_beam_search:
             _require(self.n == 1, "beam search returns beam_width outputs: leave n at 1")
             _require(not self.stop, "stop strings are not supported with beam search (use stop_token_ids)")

@@ -232,6 +232,8 @@ class Scheduler:
         self.counters.generation_tokens += 1
         update = SeqUpdate(seq, token, logprobs)
         reason = finish_reason_after(seq, token, None, self.config.eos_token_ids, self.config.max_model_len)
+        if seq.grammar is not None and seq.grammar.accept(token) and seq.grammar.terminated and reason is None:
+            reason = "stop", None  # the output is complete: its grammar allows nothing more
         if reason is not None:
             update.finish_reason, update.stop_reason = reason
             self.finish(seq)

@@ -186,7 +186,6 @@ def _prompts(prompt: Any) -> list[dict[str, Any]]:
 
 def parse_chat(raw: Any) -> OpenAIRequest:
     body = _base(_check_fields(raw, CHAT_FIELDS))
-    _unsupported(body, "response_format", lambda v: v == {"type": "text"})
     _unsupported(body, "tools", lambda v: v == [])
     _unsupported(body, "tool_choice", lambda v: v == "none")
     _unsupported(body, "store", lambda v: v is False)
@@ -196,8 +195,27 @@ def parse_chat(raw: Any) -> OpenAIRequest:
     top = _chat_logprobs(body)
     if top is not None:
         params["logprobs"] = top
+    spec = _response_format(body.get("response_format"))
+    if spec is not None:
+        params["structured_outputs"] = spec
     return OpenAIRequest("chat", body["model"], stream, include_usage, params.get("n", 1), top,
                          [{"messages": _messages(body.get("messages"))}], params, _priority(body))
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """OpenAI's response_format as the engine's structured_outputs (None: plain text)."""
+    if value is None or value == {"type": "text"}:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise bad("`response_format.json_schema` must be an object with a `schema` object",
+                      "response_format")
+        return {"json": spec.get("schema", {})}
+    raise bad("`response_format.type` must be text, json_object or json_schema", "response_format")
 
 
 def _chat_logprobs(body: dict[str, Any]) -> int | None:

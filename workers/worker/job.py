@@ -18,7 +18,7 @@ from clients.errors import ProtocolError
 from clients.protocol import done_event, token_event
 from clients.resume import ResumeState
 from streamer import RequestOutput, SamplingParams
-from streamer.errors import EngineDeadError, QueueFullError
+from streamer.errors import EngineDeadError, GrammarError, QueueFullError
 from workers.worker.answers import Answers
 from workers.worker.attempts import Attempts
 from workers.worker.config import WorkerConfig
@@ -153,6 +153,9 @@ class JobRunner:
                 await anyio.sleep(backoff_s)
                 backoff_s = min(1.0, backoff_s * 2)
                 continue
+            except GrammarError as e:  # its structured_outputs spec does not compile
+                await self.answers.fail(run, "invalid_params", str(e))
+                return None
             except ValueError as e:  # prompt too long for the model and the like
                 await self.answers.fail(run, "invalid_request", str(e))
                 return None
