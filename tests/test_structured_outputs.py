@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import anyio
 import jsonschema
 import pytest
 from redis_worker_helpers import running_worker
@@ -226,3 +227,45 @@ async def test_openai_response_format_json_schema_constrains_the_chat_answer(lla
     for answer in answers:
         assert answer.choices[0].finish_reason == "stop"
         jsonschema.validate(_loads(answer.choices[0].message.content), PERSON)
+
+
+@pytest.mark.anyio
+async def test_a_constrained_job_resumed_after_its_worker_is_killed_stays_valid(llama_ckpt: Path, redis_url: str,
+                                                                               tmp_path: Path) -> None:
+    """The survivor rebuilds the grammar state from the tokens already sent: the whole answer is what an
+    uninterrupted run gives (seeded), and valid."""
+    import redis
+    from redis_worker_helpers import offline_completions, read_events, text_of, tokens_of, wait_for, worker_process
+    from test_worker_crash import NAMES, collect_all, in_progress
+
+    many = {"type": "object", "additionalProperties": False, "required": ["rows"],
+            "properties": {"rows": {"type": "array", "minItems": 40, "maxItems": 60, "items": {"enum": [1, 2, 3]}}}}
+    params = {"temperature": 1.0, "seed": 11, "max_tokens": 600, "structured_outputs": {"json": many}}
+    (want_tokens, want_text), = offline_completions(llama_ckpt, ["rows:"], SamplingParams(**params))
+    r = redis.Redis.from_url(redis_url)
+    procs = {name: worker_process(llama_ckpt, redis_url, "--consumer", name, "--claim-idle", "1.5", "--grace", "5",
+                                  log_path=tmp_path / f"{name}.log") for name in ("s-a", "s-b")}
+    try:
+        await wait_for(lambda: len(r.keys(NAMES.worker("*"))) == 2, timeout=60, interval=0.1)
+        async with AsyncClient(redis_url) as client:
+            rid = await client.submit("rows:", params=params)
+        victim = None
+        with anyio.fail_after(30):  # 600 tokens at most: seconds of work to catch it in
+            while victim is None:
+                victim = next((n for n in procs if in_progress(r, redis_url, n)), None)
+                await anyio.sleep(0.01)
+        procs[victim].kill()
+        procs[victim].wait(10)
+        results = await collect_all(redis_url, [rid], timeout=60)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        r.close()
+    events = read_events(redis_url, rid)
+    assert results[rid] == events and events[-1]["finish_reason"] == "stop"
+    assert tokens_of(events) == want_tokens and text_of(events) == want_text
+    jsonschema.validate(_loads(text_of(events)), many)
+    survivor = next(n for n in procs if n != victim)
+    assert "reclaimed job entry" in (tmp_path / f"{survivor}.log").read_text()
