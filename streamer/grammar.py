@@ -56,6 +56,10 @@ class GrammarCompiler:
         try:
             if kind == "json":
                 schema = value if isinstance(value, dict) else {}
+                ignored = sorted(_ignored_keywords(schema))
+                if ignored:
+                    raise GrammarError(f"structured_outputs.json uses {', '.join(ignored)}, which the grammar "
+                                       "engine would not enforce: the output could break the schema")
                 return c.compile_json_schema(json.dumps(schema), any_whitespace=False)
             if kind == "json_object":
                 return c.compile_json_schema(json.dumps({"type": "object"}), any_whitespace=False)
@@ -73,6 +77,30 @@ class GrammarCompiler:
 
     def matcher(self, compiled: Any) -> GrammarState:
         return GrammarState(self._xgr.GrammarMatcher(compiled), self)
+
+
+# JSON Schema keywords xgrammar 0.2 skips without a word (bench/grammar_engines.py checks each one):
+# refused instead, so a schema is never enforced only in part.
+IGNORED_KEYWORDS = frozenset({"uniqueItems", "allOf", "if", "then", "else", "not", "patternProperties"})
+# Keywords whose value maps names to subschemas (the names themselves are not keywords).
+_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _ignored_keywords(schema: Any) -> set[str]:
+    found: set[str] = set()
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            found |= IGNORED_KEYWORDS & set(node)
+            for key, value in node.items():
+                if key in _SCHEMA_MAPS and isinstance(value, dict):
+                    stack.extend(value.values())
+                elif key not in ("enum", "const", "default", "examples"):  # data, not schemas
+                    stack.append(value)
+    return found
 
 
 class GrammarState:

@@ -162,9 +162,13 @@ def test_n_samples_with_a_seed_each_validate_and_repeat(engine: LLMEngine) -> No
 def test_a_spec_that_does_not_compile_is_refused_and_the_engine_goes_on(engine: LLMEngine) -> None:
     for spec, words in (({"regex": "(unclosed"}, "regex does not compile"),
                         ({"grammar": "root ::= missing_rule"}, "grammar does not compile"),
-                        ({"json": {"type": "object", "properties": {"x": {"type": "no-such-type"}}}}, "json")):
+                        ({"json": {"type": "object", "properties": {"x": {"type": "no-such-type"}}}}, "json"),
+                        ({"json": {"type": "array", "uniqueItems": True}}, "uses uniqueItems"),
+                        ({"json": {"properties": {"a": {"allOf": [{"type": "string"}]}}}}, "uses allOf")):
         with pytest.raises(GrammarError, match=re.escape(words)):
             engine.add_request("bad", "x", SamplingParams(structured_outputs=spec))
+    # A property named like a keyword is a name, not the keyword.
+    engine.grammars().compile({"json": {"type": "object", "properties": {"not": {"type": "integer"}}}})
     for spec, words in (({"regex": "a", "choice": ["b"]}, "exactly one"), ({"schema": {}}, "unknown"),
                         ({"choice": []}, "choice must be a list")):
         with pytest.raises(ValueError, match=words):
