@@ -21,7 +21,7 @@ from clients.names import Names  # noqa: F401  (re-exported: the protocol's name
 VERSION = 1
 ENCODINGS = ("json", "msgpack")
 JOB_FIELDS = frozenset(
-    {"v", "id", "prompt", "prompt_token_ids", "messages", "params", "priority", "deadline"}
+    {"v", "id", "prompt", "prompt_token_ids", "messages", "tools", "params", "priority", "deadline"}
 )
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
 # Ids become part of Redis key names and log lines: keep them printable and short.
@@ -44,7 +44,8 @@ class Job:
     encoding: str
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # function definitions, for the chat template
     params: dict[str, Any] = field(default_factory=dict)
     priority: int = 0
     deadline: int | None = None  # unix ms
@@ -210,12 +211,23 @@ SPEC_MAX_DEPTH = 64  # params.structured_outputs (a JSON schema) is exempt from 
 
 
 def _split_spec(obj: dict[Any, Any]) -> tuple[dict[Any, Any], Any]:
-    """The job without params.structured_outputs, and that spec (None when there is none)."""
+    """The job without its JSON schemas and data (params.structured_outputs, `tools`, the messages'
+    `tool_calls`), and those (None when there are none)."""
     params = obj.get("params")
-    if not isinstance(params, dict) or "structured_outputs" not in params:
-        return obj, None
-    rest = {**obj, "params": {k: v for k, v in params.items() if k != "structured_outputs"}}
-    return rest, params["structured_outputs"]
+    schemas = {}
+    rest = dict(obj)
+    if isinstance(params, dict) and "structured_outputs" in params:
+        rest["params"] = {k: v for k, v in params.items() if k != "structured_outputs"}
+        schemas["structured_outputs"] = params["structured_outputs"]
+    if "tools" in rest:
+        schemas["tools"] = rest.pop("tools")
+    messages = rest.get("messages")
+    if isinstance(messages, list) and any(isinstance(m, dict) and "tool_calls" in m for m in messages):
+        # Tool-call arguments are JSON objects as deep as their function's schema allows.
+        schemas["tool_calls"] = [m.get("tool_calls") for m in messages if isinstance(m, dict)]
+        rest["messages"] = [{k: v for k, v in m.items() if k != "tool_calls"} if isinstance(m, dict) else m
+                            for m in messages]
+    return (rest, schemas) if schemas else (obj, None)
 
 
 def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
@@ -237,7 +249,8 @@ def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
     if spec is not None:  # a JSON schema nests as deep as its data: bounded by size, and this
         spec_depth, spec_text_ok = _walk(spec, SPEC_MAX_DEPTH)
         if spec_depth > SPEC_MAX_DEPTH:
-            raise bad(f"params.structured_outputs is nested deeper than {SPEC_MAX_DEPTH} levels", "invalid_params")
+            raise bad(f"a schema (params.structured_outputs, tools, tool_calls) is nested deeper than "
+                      f"{SPEC_MAX_DEPTH} levels", "invalid_params")
         text_ok = text_ok and spec_text_ok
     if not text_ok:  # before any message that quotes the job's strings
         raise bad("every string must be valid Unicode: one holds a lone surrogate (an unpaired \\ud800-"
@@ -264,6 +277,10 @@ def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
         job.prompt_token_ids = ids
     else:
         job.messages = _parse_messages(obj["messages"], limits, bad)
+    if obj.get("tools") is not None:
+        if "messages" not in obj:
+            raise bad("`tools` needs `messages` (they are rendered by the chat template)")
+        job.tools = _parse_tools(obj["tools"], bad)
     params = obj.get("params", {})
     if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
         raise bad("`params` must be a map from field name to value", "invalid_params")
@@ -279,14 +296,74 @@ def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
     return job
 
 
-def _parse_messages(messages: Any, limits: Limits, bad: Any) -> list[dict[str, str]]:
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
+
+
+def _parse_messages(messages: Any, limits: Limits, bad: Any) -> list[dict[str, Any]]:
+    """Chat messages as the chat template takes them: `content` a string or a list of text parts
+    (joined), an assistant's `tool_calls` (arguments as objects), a `tool` message's `tool_call_id`."""
     if not isinstance(messages, list) or not messages or len(messages) > limits.max_messages:
         raise bad(f"`messages` must be a list of 1-{limits.max_messages} messages")
+    out = []
     for m in messages:
-        if (not isinstance(m, dict) or set(m) - {"role", "content"} or not isinstance(m.get("role"), str)
-                or not isinstance(m.get("content"), str)):
-            raise bad('each message must be {"role": string, "content": string}')
-    return messages
+        if not isinstance(m, dict) or set(m) - MESSAGE_FIELDS or not isinstance(m.get("role"), str):
+            raise bad('each message must be {"role": string, "content": string or text parts} (also '
+                      '`name`, an assistant\'s `tool_calls`, a tool result\'s `tool_call_id`)')
+        message = dict(m)
+        message["content"] = _content(m.get("content"), "tool_calls" in m, bad)
+        if "tool_calls" in m:
+            message["tool_calls"] = _tool_calls(m["tool_calls"], bad)
+        for name in ("name", "tool_call_id"):
+            if name in m and not isinstance(m[name], str):
+                raise bad(f"a message's `{name}` must be a string")
+        out.append(message)
+    return out
+
+
+def _content(content: Any, has_calls: bool, bad: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None and has_calls:  # an assistant turn that only calls tools
+        return ""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(
+            p.get("text"), str) and set(p) <= {"type", "text"} for p in content):
+        return "".join(p["text"] for p in content)
+    raise bad('a message\'s `content` must be a string or a list of {"type": "text", "text": string} parts')
+
+
+def _tool_calls(calls: Any, bad: Any) -> list[dict[str, Any]]:
+    """[{"id", "type": "function", "function": {"name", "arguments"}}]; arguments given as JSON text
+    (as OpenAI sends them) become objects, which is what chat templates render."""
+    if not isinstance(calls, list) or not calls:
+        raise bad("`tool_calls` must be a non-empty list")
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str)
+                or call.get("type", "function") != "function"):
+            raise bad('each tool call must be {"type": "function", "function": {"name": string, "arguments": ...}}')
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise bad(f"a message's tool call {fn['name']!r}: `arguments` is not JSON") from None
+        if not isinstance(args, dict):
+            raise bad(f"a message's tool call {fn['name']!r}: `arguments` must be an object (or its JSON text)")
+        out.append({**call, "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def _parse_tools(tools: Any, bad: Any) -> list[dict[str, Any]]:
+    if not isinstance(tools, list) or len(tools) > 128:
+        raise bad("`tools` must be a list of at most 128 function definitions")
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if (not isinstance(fn, dict) or tool.get("type") != "function" or not isinstance(fn.get("name"), str)
+                or not isinstance(fn.get("parameters", {}), dict)):
+            raise bad('each tool must be {"type": "function", "function": {"name": string, "description": '
+                      'string, "parameters": JSON Schema}}')
+    return tools
 
 
 def decode_job(fields: dict[Any, Any], limits: Limits = Limits()) -> Job:

@@ -115,9 +115,10 @@ class Generation:
             self.usage = dict(event.get("usage", {}))
 
 
-def build_job(request_id: str, prompt: str | None, messages: list[dict[str, str]] | None,
+def build_job(request_id: str, prompt: str | None, messages: list[dict[str, Any]] | None,
               prompt_token_ids: list[int] | None, params: dict[str, Any] | None,
-              priority: int | None, deadline: int | None) -> dict[str, Any]:
+              priority: int | None, deadline: int | None, tools: list[dict[str, Any]] | None = None
+              ) -> dict[str, Any]:
     job: dict[str, Any] = {"id": request_id, "params": dict(params or {})}
     given = {"prompt": prompt, "messages": messages, "prompt_token_ids": prompt_token_ids}
     given = {k: v for k, v in given.items() if v is not None}
@@ -128,6 +129,8 @@ def build_job(request_id: str, prompt: str | None, messages: list[dict[str, str]
         job["priority"] = priority
     if deadline is not None:
         job["deadline"] = deadline
+    if tools is not None:
+        job["tools"] = tools
     return job
 
 
@@ -155,12 +158,14 @@ class AsyncClient:
     async def aclose(self) -> None:
         await self.redis.aclose()
 
-    async def submit(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
+    async def submit(self, prompt: str | None = None, *, messages: list[dict[str, Any]] | None = None,
                      prompt_token_ids: list[int] | None = None, params: dict[str, Any] | None = None,
-                     id: str | None = None, priority: int | None = None, deadline: int | None = None) -> str:
-        """Push a job; returns its id (a fresh UUID unless given)."""
+                     id: str | None = None, priority: int | None = None, deadline: int | None = None,
+                     tools: list[dict[str, Any]] | None = None) -> str:
+        """Push a job; returns its id (a fresh UUID unless given). `tools`: function definitions the
+        chat template renders (with `messages`)."""
         request_id = id or uuid.uuid4().hex
-        job = build_job(request_id, prompt, messages, prompt_token_ids, params, priority, deadline)
+        job = build_job(request_id, prompt, messages, prompt_token_ids, params, priority, deadline, tools)
         ((field_name, payload),) = encode_job(job, self.encoding).items()
         # Safe to retry: if a lost reply hides a first XADD that worked, the second copy carries the
         # same id and is refused by the worker as a duplicate.

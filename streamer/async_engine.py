@@ -157,11 +157,12 @@ class AsyncEngine:
         """Each token decoded alone (a piece of a multi-byte character shows as U+FFFD)."""
         return [self.engine.tokenizer.decode([t]) for t in token_ids]
 
-    async def render_chat(self, messages: list[dict[str, str]]) -> TokenizedPrompt:
+    async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+                          ) -> TokenizedPrompt:
         """The checkpoint's chat template applied, tokenized off the event loop and the engine thread."""
         await self.start()
         assert self._loop is not None
-        return await self._loop.run_in_executor(self._tokenizing, self._prompts.chat, messages)
+        return await self._loop.run_in_executor(self._tokenizing, self._prompts.chat, messages, tools)
 
     def _send(self, command: AddCommand | AbortCommand) -> None:
         self._commands.put(command)

@@ -76,9 +76,9 @@ class LLMEngine:
         callers can tokenize away from the thread that steps the engine."""
         return self.prompts.tokenize(prompt)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The checkpoint's chat template with the generation prompt, as token ids."""
-        return self.prompts.chat(messages).token_ids
+        return self.prompts.chat(messages, tools).token_ids
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict[str, Any] | TokenizedPrompt,
                     params: SamplingParams, priority: int = 0,

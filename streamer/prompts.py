@@ -49,11 +49,12 @@ class PromptProcessor:
             return self._checked(TokenizedPrompt(list(prompt)))
         raise ValueError("prompt must be a string, a list of token ids, or {'prompt_token_ids': [...]}")
 
-    def chat(self, messages: list[dict[str, str]]) -> TokenizedPrompt:
-        """The checkpoint's chat template with the generation prompt (ValueError when it has none)."""
+    def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> TokenizedPrompt:
+        """The checkpoint's chat template with the generation prompt, and the function definitions
+        `tools` where the template renders them (ValueError when it has no template)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         return self._checked(TokenizedPrompt(self.tokenizer(text, add_special_tokens=False).input_ids))
 
     def _checked(self, prompt: TokenizedPrompt) -> TokenizedPrompt:

@@ -183,13 +183,39 @@ def test_done_and_error_events_are_the_documented_shape():
 VALID_CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
 
 
+def test_messages_are_normalised_for_the_chat_template():
+    """Text parts joined, tool-call arguments as objects (what templates render), the rest kept."""
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    messages = [{"role": "user", "content": parts, "name": "u"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "2"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    job = decode_job(job_fields({"v": 1, "id": "t1", "messages": messages, "tools": tools}))
+    assert job.messages == [{"role": "user", "content": "ab", "name": "u"},
+                            {"role": "assistant", "content": "", "tool_calls": [
+                                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
+                            {"role": "tool", "tool_call_id": "c1", "content": "2"}]
+    assert job.tools == tools
+    with pytest.raises(ProtocolError, match="needs `messages`"):
+        decode_job(job_fields({"v": 1, "id": "t2", "prompt": "x", "tools": tools}))
+
+
 @pytest.mark.parametrize("messages, ok", [
     (VALID_CHAT, True),
     ([{"role": "user", "content": ""}], True),
     ([], False),
     ("hi", False),
     (["hi"], False),
-    ([{"role": "user", "content": "hi", "name": "x"}], False),
+    ([{"role": "user", "content": "hi", "name": "x"}], True),
+    ([{"role": "user", "content": "hi", "nam": "x"}], False),  # a typo is not ignored
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], True),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], False),
+    ([{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+      {"role": "tool", "tool_call_id": "c1", "content": "2"}], True),
+    ([{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}], False),
+    ([{"role": "user", "content": None}], False),
     ([{"role": 1, "content": "hi"}], False),
     ([{"role": "user", "content": ["hi"]}], False),
     ([{"content": "hi"}], False),
@@ -199,7 +225,9 @@ def test_chat_messages_are_checked(messages, ok):
     fields = job_fields({"v": 1, "id": "c1", "messages": messages})
     limits = Limits(max_messages=2)
     if ok:
-        assert decode_job(fields, limits).messages == messages
+        decoded = decode_job(fields, limits).messages
+        assert [m["role"] for m in decoded] == [m["role"] for m in messages]
+        assert all(isinstance(m["content"], str) for m in decoded)
         return
     with pytest.raises(ProtocolError) as info:
         decode_job(fields, limits)
@@ -217,7 +245,7 @@ def test_pubsub_messages_and_event_entries_decode_in_either_encoding(encoding):
     assert decode_event({encoding.encode(): raw}) == decode_message(raw)
 
 
-ALLOWED = "['deadline', 'id', 'messages', 'params', 'priority', 'prompt', 'prompt_token_ids', 'v']"
+ALLOWED = "['deadline', 'id', 'messages', 'params', 'priority', 'prompt', 'prompt_token_ids', 'tools', 'v']"
 
 
 @pytest.mark.parametrize("obj, code, message", [
@@ -241,7 +269,10 @@ ALLOWED = "['deadline', 'id', 'messages', 'params', 'priority', 'prompt', 'promp
     ({"v": 1, "id": "x", "prompt": "hi", "deadline": -1}, "invalid_request",
      "`deadline` must be a unix time in milliseconds (0 to 2**63-1)"),
     ({"v": 1, "id": "x", "messages": [{"role": "u"}]}, "invalid_request",
-     'each message must be {"role": string, "content": string}'),
+     'a message\'s `content` must be a string or a list of {"type": "text", "text": string} parts'),
+    ({"v": 1, "id": "x", "messages": [{"role": "u", "content": "x"}], "tools": [{"type": "fn"}]}, "invalid_request",
+     'each tool must be {"type": "function", "function": {"name": string, "description": string, "parameters": '
+     'JSON Schema}}'),
 ])
 def test_a_rejected_job_says_exactly_what_is_wrong(obj, code, message):
     with pytest.raises(ProtocolError) as info:

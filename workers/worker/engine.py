@@ -26,9 +26,10 @@ class Engine(Protocol):
         """How many more requests the engine can take now without queueing."""
         ...
 
-    async def render_chat(self, messages: list[dict[str, str]]) -> TokenizedPrompt:
-        """The checkpoint's chat template applied and tokenized (ValueError when it has none, or when
-        the result is too long for the model)."""
+    async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+                          ) -> TokenizedPrompt:
+        """The checkpoint's chat template applied (with the function definitions `tools`) and tokenized
+        (ValueError when it has none, or when the result is too long for the model)."""
         ...
 
     def prompt_progress(self) -> dict[str, PromptProgress]:

@@ -132,7 +132,7 @@ class JobRunner:
         if job.messages is None:
             return job.prompt
         try:
-            return await self.engine.render_chat(job.messages)
+            return await self.engine.render_chat(job.messages, job.tools)
         except ValueError as e:  # e.g. the checkpoint has no chat template
             await self.answers.fail(run, "invalid_request", str(e))
             return None
