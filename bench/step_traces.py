@@ -22,7 +22,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/kernels.py must 
 from bench.workload import bench_checkpoint, make_workload, submit_greedy  # noqa: E402
 from streamer import LLMEngine  # noqa: E402
 from streamer.config import EngineConfig  # noqa: E402
-from streamer.llm_engine import _mark_outputs, _token_counts  # noqa: E402
+from streamer.llm_engine import _mark_outputs  # noqa: E402
 from streamer.outputs import StepRecord  # noqa: E402
 from streamer.scheduler_output import ScheduledSeq, SchedulerOutput  # noqa: E402
 from workers.worker.steps import WINDOW, SlowSteps, TraceConfig  # noqa: E402
@@ -41,7 +41,7 @@ def step_times(engine: LLMEngine) -> tuple[list[float], float]:
         b0 = time.perf_counter()
         now = time.monotonic()
         engine._mark_scheduled(batch, now)
-        counts = _token_counts(batch)
+        counts = batch.num_tokens, batch.num_prompt_tokens
         StepRecord(0, now, len(batch.scheduled), *counts, schedule_s=0.0, execute_s=0.0, process_s=0.0)
         _mark_outputs(outputs, time.monotonic())
         bookkeeping += time.perf_counter() - b0

@@ -48,3 +48,22 @@ def as_names(reply: list[Any]) -> list[str]:
 def live_workers(client: Any, names: Names, limit: int = MAX_LISTED) -> list[str]:
     """Consumer names of the workers that beat within STALE_MS, newest first (sync client)."""
     return as_names(live_script(client)(**live_args(names, limit)))
+
+
+async def live_worker_stats(redis: Any, names: Names, live: Any) -> list[dict[str, str]]:
+    """Live workers with their stats hash (asyncio client; `live` = live_script(redis)), by name: two
+    round trips whatever else Redis holds. A member counts when it beat within STALE_MS and its stats
+    hash (which expires 3 beats after the last one) is still there."""
+    members = as_names(await live(**live_args(names)))
+    if not members:
+        return []
+    async with redis.pipeline(transaction=False) as pipe:
+        for name in members:
+            pipe.hgetall(names.worker(name))
+        replies = await pipe.execute(raise_on_error=False)
+    found = []
+    for name, fields in zip(members, replies, strict=True):
+        if isinstance(fields, dict) and fields:  # not an error reply (a key of the wrong type)
+            found.append({"name": name, **{k.decode(errors="replace"): v.decode(errors="replace")
+                                           for k, v in fields.items()}})
+    return sorted(found, key=lambda w: w["name"])

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgpack
 
+from clients.chat_messages import SPEC_MAX_DEPTH, parse_messages, parse_tools, split_schemas
 from clients.errors import ProtocolError
 from clients.names import Names  # noqa: F401  (re-exported: the protocol's names)
 
@@ -207,29 +208,6 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-SPEC_MAX_DEPTH = 64  # params.structured_outputs (a JSON schema) is exempt from max_depth, not unbounded
-
-
-def _split_spec(obj: dict[Any, Any]) -> tuple[dict[Any, Any], Any]:
-    """The job without its JSON schemas and data (params.structured_outputs, `tools`, the messages'
-    `tool_calls`), and those (None when there are none)."""
-    params = obj.get("params")
-    schemas = {}
-    rest = dict(obj)
-    if isinstance(params, dict) and "structured_outputs" in params:
-        rest["params"] = {k: v for k, v in params.items() if k != "structured_outputs"}
-        schemas["structured_outputs"] = params["structured_outputs"]
-    if "tools" in rest:
-        schemas["tools"] = rest.pop("tools")
-    messages = rest.get("messages")
-    if isinstance(messages, list) and any(isinstance(m, dict) and "tool_calls" in m for m in messages):
-        # Tool-call arguments are JSON objects as deep as their function's schema allows.
-        schemas["tool_calls"] = [m.get("tool_calls") for m in messages if isinstance(m, dict)]
-        rest["messages"] = [{k: v for k, v in m.items() if k != "tool_calls"} if isinstance(m, dict) else m
-                            for m in messages]
-    return (rest, schemas) if schemas else (obj, None)
-
-
 def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
     """Check a decoded request map against schema version 1."""
     if not isinstance(obj, dict):
@@ -242,7 +220,7 @@ def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
 
     if request_id is None:
         raise bad("`id` must be a string of 1-128 characters from A-Z a-z 0-9 . _ : @ / + = -")
-    rest, spec = _split_spec(obj)
+    rest, spec = split_schemas(obj)
     depth, text_ok = _walk(rest, limits.max_depth)
     if depth > limits.max_depth:
         raise bad(f"payload is nested deeper than {limits.max_depth} levels", "bad_encoding")
@@ -276,11 +254,11 @@ def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
             raise bad(f"`prompt_token_ids` holds {len(ids)} ids; at most {limits.max_items}")
         job.prompt_token_ids = ids
     else:
-        job.messages = _parse_messages(obj["messages"], limits, bad)
+        job.messages = parse_messages(obj["messages"], limits.max_messages, bad)
     if obj.get("tools") is not None:
         if "messages" not in obj:
             raise bad("`tools` needs `messages` (they are rendered by the chat template)")
-        job.tools = _parse_tools(obj["tools"], bad)
+        job.tools = parse_tools(obj["tools"], bad)
     params = obj.get("params", {})
     if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
         raise bad("`params` must be a map from field name to value", "invalid_params")
@@ -294,76 +272,6 @@ def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
             raise bad("`deadline` must be a unix time in milliseconds (0 to 2**63-1)")
         job.deadline = obj["deadline"]
     return job
-
-
-MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
-
-
-def _parse_messages(messages: Any, limits: Limits, bad: Any) -> list[dict[str, Any]]:
-    """Chat messages as the chat template takes them: `content` a string or a list of text parts
-    (joined), an assistant's `tool_calls` (arguments as objects), a `tool` message's `tool_call_id`."""
-    if not isinstance(messages, list) or not messages or len(messages) > limits.max_messages:
-        raise bad(f"`messages` must be a list of 1-{limits.max_messages} messages")
-    out = []
-    for m in messages:
-        if not isinstance(m, dict) or set(m) - MESSAGE_FIELDS or not isinstance(m.get("role"), str):
-            raise bad('each message must be {"role": string, "content": string or text parts} (also '
-                      '`name`, an assistant\'s `tool_calls`, a tool result\'s `tool_call_id`)')
-        message = dict(m)
-        message["content"] = _content(m.get("content"), "tool_calls" in m, bad)
-        if "tool_calls" in m:
-            message["tool_calls"] = _tool_calls(m["tool_calls"], bad)
-        for name in ("name", "tool_call_id"):
-            if name in m and not isinstance(m[name], str):
-                raise bad(f"a message's `{name}` must be a string")
-        out.append(message)
-    return out
-
-
-def _content(content: Any, has_calls: bool, bad: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if content is None and has_calls:  # an assistant turn that only calls tools
-        return ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(
-            p.get("text"), str) and set(p) <= {"type", "text"} for p in content):
-        return "".join(p["text"] for p in content)
-    raise bad('a message\'s `content` must be a string or a list of {"type": "text", "text": string} parts')
-
-
-def _tool_calls(calls: Any, bad: Any) -> list[dict[str, Any]]:
-    """[{"id", "type": "function", "function": {"name", "arguments"}}]; arguments given as JSON text
-    (as OpenAI sends them) become objects, which is what chat templates render."""
-    if not isinstance(calls, list) or not calls:
-        raise bad("`tool_calls` must be a non-empty list")
-    out = []
-    for call in calls:
-        fn = call.get("function") if isinstance(call, dict) else None
-        if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str)
-                or call.get("type", "function") != "function"):
-            raise bad('each tool call must be {"type": "function", "function": {"name": string, "arguments": ...}}')
-        args = fn.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError:
-                raise bad(f"a message's tool call {fn['name']!r}: `arguments` is not JSON") from None
-        if not isinstance(args, dict):
-            raise bad(f"a message's tool call {fn['name']!r}: `arguments` must be an object (or its JSON text)")
-        out.append({**call, "type": "function", "function": {"name": fn["name"], "arguments": args}})
-    return out
-
-
-def _parse_tools(tools: Any, bad: Any) -> list[dict[str, Any]]:
-    if not isinstance(tools, list) or len(tools) > 128:
-        raise bad("`tools` must be a list of at most 128 function definitions")
-    for tool in tools:
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if (not isinstance(fn, dict) or tool.get("type") != "function" or not isinstance(fn.get("name"), str)
-                or not isinstance(fn.get("parameters", {}), dict)):
-            raise bad('each tool must be {"type": "function", "function": {"name": string, "description": '
-                      'string, "parameters": JSON Schema}}')
-    return tools
 
 
 def decode_job(fields: dict[Any, Any], limits: Limits = Limits()) -> Job:

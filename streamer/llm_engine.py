@@ -137,7 +137,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         t1 = time.monotonic()
         self._mark_scheduled(scheduled, t1)
-        counts = _token_counts(scheduled)  # before the step moves num_computed_tokens on
+        counts = scheduled.num_tokens, scheduled.num_prompt_tokens  # before the step moves them on
         step = execute_isolated(self.runner, scheduled)
         t2 = time.monotonic()
         for request_id, reason in step.failed.items():  # the others' step goes on without them
@@ -196,16 +196,6 @@ class LLMEngine:
             "attention_backend": self.runner.backend.name,
             "tensor_parallel_size": self.config.tensor_parallel_size,
         }
-
-
-def _token_counts(scheduled: SchedulerOutput) -> tuple[int, int]:
-    """(tokens the step computes, of which prompt tokens)."""
-    total = prefill = 0
-    for item in scheduled.scheduled:
-        start = item.seq.num_computed_tokens
-        total += item.num_new_tokens
-        prefill += max(0, min(start + item.num_new_tokens, item.seq.num_prompt_tokens) - start)
-    return total, prefill
 
 
 def _mark_outputs(outputs: list[RequestOutput], now: float) -> None:

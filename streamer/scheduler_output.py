@@ -16,6 +16,12 @@ class ScheduledSeq:
     forks: list[Sequence] = field(default_factory=list)  # siblings that sample from this row
 
     @property
+    def num_new_prompt_tokens(self) -> int:
+        """Of the tokens this chunk computes, how many are prompt (read before the step advances it)."""
+        start = self.seq.num_computed_tokens
+        return max(0, min(start + self.num_new_tokens, self.seq.num_prompt_tokens) - start)
+
+    @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the sequence, so a token is sampled after it."""
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
@@ -30,6 +36,10 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(s.num_new_prompt_tokens for s in self.scheduled)
 
 
 @dataclass

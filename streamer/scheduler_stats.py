@@ -29,9 +29,7 @@ class SchedulerStats:
         if prefill and len(prefill) < len(scheduled):
             self.num_mixed_steps += 1
         self.num_partial_prefills += sum(1 for s in prefill if not s.samples)
-        for s in prefill:
-            start = s.seq.num_computed_tokens
-            self.prompt_tokens_computed += min(start + s.num_new_tokens, s.seq.num_prompt_tokens) - start
+        self.prompt_tokens_computed += sum(s.num_new_prompt_tokens for s in prefill)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

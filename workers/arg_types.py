@@ -4,19 +4,28 @@ refused where it is read, as one line saying what to pass instead, never as a tr
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import TypeVar
 from urllib.parse import urlsplit
 
+T = TypeVar("T", int, float)
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 
 
-def _port(text: str, zero: str) -> int:
+def _number(text: str, parse: Callable[[str], T], low: T, high: T | None, what: str, allowed: str,
+            noun: str = "") -> T:
+    """`text` as a number in [low, high] (high None: no bound), or one line saying what to pass."""
     try:
-        port = int(text)
+        value = parse(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number: pass 1-65535 (0: {zero})") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port {port} is out of range: pass 1-65535 (0: {zero})")
-    return port
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}: pass {allowed}") from None
+    if value < low or (high is not None and value > high):  # type: ignore[operator]
+        raise argparse.ArgumentTypeError(f"{noun}{value} is out of range: pass {allowed}")
+    return value
+
+
+def _port(text: str, zero: str) -> int:
+    return _number(text, int, 0, 65535, "a port number", f"1-65535 (0: {zero})", noun="port ")
 
 
 def port_number(text: str) -> int:
@@ -27,6 +36,16 @@ def port_number(text: str) -> int:
 def optional_port(text: str) -> int:
     """A port for an optional server; 0 turns it off."""
     return _port(text, "off")
+
+
+def refresh_seconds(text: str) -> float:
+    """Seconds between two refreshes of a live view."""
+    return _number(text, float, 0.05, 3600.0, "a number of seconds", "0.05-3600 seconds")
+
+
+def count(text: str) -> int:
+    """A whole number, 0 or more."""
+    return _number(text, int, 0, None, "a whole number", "0 or more")
 
 
 def redis_url(text: str) -> str:

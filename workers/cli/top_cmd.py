@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.live import Live
 
 from clients.errors import redact_url
+from workers.arg_types import count, refresh_seconds
 from workers.cli.top_data import Gatherer
 from workers.cli.top_view import render
 from workers.redis_options import add_redis_arguments, check_redis, names_from_args, sync_client
@@ -25,33 +26,13 @@ from workers.redis_options import add_redis_arguments, check_redis, names_from_a
 PIPED_WIDTH = 160  # columns of a frame printed to a file or pipe (no terminal to take the width from)
 
 
-def _interval(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0.05 <= value <= 3600:
-        raise argparse.ArgumentTypeError(f"{text} is out of range: pass 0.05-3600 seconds")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is negative: pass 0 or more")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_redis_arguments(parser)
     parser.add_argument("--dead-stream", default="", help="dead-letter stream (default PREFIX:dead)")
-    parser.add_argument("--interval", type=_interval, default=1.0, help="seconds between refreshes")
+    parser.add_argument("--interval", type=refresh_seconds, default=1.0, help="seconds between refreshes")
     parser.add_argument("--once", action="store_true",
                         help="print one frame and exit (what top does anyway when stdout is not a terminal)")
-    parser.add_argument("--slow-steps", type=_count, default=5, help="how many of the newest slow-step traces to show")
+    parser.add_argument("--slow-steps", type=count, default=5, help="how many of the newest slow-step traces to show")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 
 from clients.backoff import TRANSIENT, Backoff
 from clients.errors import ProtocolError
-from clients.heartbeats import as_names, live_args, live_script
+from clients.heartbeats import live_script, live_worker_stats
 from clients.progress import JobStatus, job_statuses
 from clients.protocol import Names, decode_message, decode_payload, encode_job, event_stream_id, split_fields
 from clients.redis_client import CANCEL_SCRIPT, SUBMIT_SCRIPT, push_job
@@ -393,19 +393,5 @@ class Hub:
             return False
 
     async def workers(self) -> list[dict[str, str]]:
-        """Live workers, from the heartbeat set (clients/heartbeats.py), never a scan of the keyspace:
-        two round trips whatever else Redis holds. A member counts when it beat within STALE_MS and its
-        stats hash (which expires 3 beats after the last one) is still there."""
-        names = as_names(await self._live_workers(**live_args(self.names)))
-        if not names:
-            return []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for name in names:
-                pipe.hgetall(self.names.worker(name))
-            replies = await pipe.execute(raise_on_error=False)
-        found = []
-        for name, fields in zip(names, replies, strict=True):
-            if isinstance(fields, dict) and fields:  # not an error reply (a key of the wrong type)
-                found.append({"name": name, **{k.decode(errors="replace"): v.decode(errors="replace")
-                                               for k, v in fields.items()}})
-        return sorted(found, key=lambda w: w["name"])
+        """Live workers and their stats (clients/heartbeats.py): never a scan of the keyspace."""
+        return await live_worker_stats(self.redis, self.names, self._live_workers)

@@ -1,0 +1,101 @@
+"""The parts of a job for chat and constrained output: `messages` and `tools`, checked and put in the
+shape chat templates take, and the JSON schemas (and tool-call arguments) that may nest deeper than
+the rest of a job (part of the job schema, clients/protocol.py). `bad(message)` builds the caller's
+error."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+SPEC_MAX_DEPTH = 64  # params.structured_outputs (a JSON schema) is exempt from max_depth, not unbounded
+
+
+def split_schemas(obj: dict[Any, Any]) -> tuple[dict[Any, Any], Any]:
+    """The job without its JSON schemas and data (params.structured_outputs, `tools`, the messages'
+    `tool_calls`), and those (None when there are none)."""
+    params = obj.get("params")
+    schemas = {}
+    rest = dict(obj)
+    if isinstance(params, dict) and "structured_outputs" in params:
+        rest["params"] = {k: v for k, v in params.items() if k != "structured_outputs"}
+        schemas["structured_outputs"] = params["structured_outputs"]
+    if "tools" in rest:
+        schemas["tools"] = rest.pop("tools")
+    messages = rest.get("messages")
+    if isinstance(messages, list) and any(isinstance(m, dict) and "tool_calls" in m for m in messages):
+        # Tool-call arguments are JSON objects as deep as their function's schema allows.
+        schemas["tool_calls"] = [m.get("tool_calls") for m in messages if isinstance(m, dict)]
+        rest["messages"] = [{k: v for k, v in m.items() if k != "tool_calls"} if isinstance(m, dict) else m
+                            for m in messages]
+    return (rest, schemas) if schemas else (obj, None)
+
+
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
+
+
+def parse_messages(messages: Any, max_messages: int, bad: Any) -> list[dict[str, Any]]:
+    """Chat messages as the chat template takes them: `content` a string or a list of text parts
+    (joined), an assistant's `tool_calls` (arguments as objects), a `tool` message's `tool_call_id`."""
+    if not isinstance(messages, list) or not messages or len(messages) > max_messages:
+        raise bad(f"`messages` must be a list of 1-{max_messages} messages")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or set(m) - MESSAGE_FIELDS or not isinstance(m.get("role"), str):
+            raise bad('each message must be {"role": string, "content": string or text parts} (also '
+                      '`name`, an assistant\'s `tool_calls`, a tool result\'s `tool_call_id`)')
+        message = dict(m)
+        message["content"] = _content(m.get("content"), "tool_calls" in m, bad)
+        if "tool_calls" in m:
+            message["tool_calls"] = _tool_calls(m["tool_calls"], bad)
+        for name in ("name", "tool_call_id"):
+            if name in m and not isinstance(m[name], str):
+                raise bad(f"a message's `{name}` must be a string")
+        out.append(message)
+    return out
+
+
+def _content(content: Any, has_calls: bool, bad: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None and has_calls:  # an assistant turn that only calls tools
+        return ""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(
+            p.get("text"), str) and set(p) <= {"type", "text"} for p in content):
+        return "".join(p["text"] for p in content)
+    raise bad('a message\'s `content` must be a string or a list of {"type": "text", "text": string} parts')
+
+
+def _tool_calls(calls: Any, bad: Any) -> list[dict[str, Any]]:
+    """[{"id", "type": "function", "function": {"name", "arguments"}}]; arguments given as JSON text
+    (as OpenAI sends them) become objects, which is what chat templates render."""
+    if not isinstance(calls, list) or not calls:
+        raise bad("`tool_calls` must be a non-empty list")
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str)
+                or call.get("type", "function") != "function"):
+            raise bad('each tool call must be {"type": "function", "function": {"name": string, "arguments": ...}}')
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise bad(f"a message's tool call {fn['name']!r}: `arguments` is not JSON") from None
+        if not isinstance(args, dict):
+            raise bad(f"a message's tool call {fn['name']!r}: `arguments` must be an object (or its JSON text)")
+        out.append({**call, "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def parse_tools(tools: Any, bad: Any) -> list[dict[str, Any]]:
+    if not isinstance(tools, list) or len(tools) > 128:
+        raise bad("`tools` must be a list of at most 128 function definitions")
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if (not isinstance(fn, dict) or tool.get("type") != "function" or not isinstance(fn.get("name"), str)
+                or not isinstance(fn.get("parameters", {}), dict)):
+            raise bad('each tool must be {"type": "function", "function": {"name": string, "description": '
+                      'string, "parameters": JSON Schema}}')
+    return tools
