@@ -114,8 +114,13 @@ async def test_page_streams_stops_and_resumes_after_reload(llama_ckpt: Path, red
         # A reload mid-answer: the page resumes the same request and ends with all of it.
         await settings(page, max_tokens="400")
         await ask(page, "And again, please")
-        await page.wait_for_function(
-            "() => window.__paints.filter(p => p.state === 'streaming' && p.len > 0).length >= 1", timeout=30000)
+        # The second answer's own text, not a paint left over from the first answer.
+        await page.wait_for_function("""() => {
+            const all = document.querySelectorAll('.msg.assistant');
+            const el = all[all.length - 1];
+            return all.length === 2 && el.dataset.state === 'streaming'
+                && el.querySelector('.text').textContent.length > 0;
+        }""", timeout=30000)
         rid2, _, _ = await last_answer(page)
         await page.reload()
         await page.wait_for_selector(f".msg.assistant[data-id='{rid2}'][data-state=done]", timeout=30000)
