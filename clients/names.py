@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 from dataclasses import dataclass
+
+# Rank of the default lane (`requests`) in the stream registry: after every priority lane.
+DEFAULT_LANE_RANK = 2**31 + 1
 
 
 @dataclass(frozen=True)
@@ -14,7 +18,12 @@ class Names:
     one slot: the keys of one request share the tag `{id}` (`llm:events:{id}` with real braces, spread
     over the whole cluster), the shared keys the tag `{llm}` (`{llm}:requests`, `{llm}:heartbeats`).
     `shards` > 1 spreads the requests over that many streams (`request_streams`), each in a slot of
-    its own on a cluster; a job goes to the stream `stream_for(id)` names."""
+    its own on a cluster; a job goes to the stream `stream_for(id)` names.
+
+    `lanes` (ascending priority cutoffs, docs/scheduling.md) add urgent request streams: a job whose
+    priority is at most a cutoff waits in that cutoff's lane, every other job in `requests`, where it
+    always waited. Submitters register each stream they push to in `streams` (score = its lane's rank),
+    so workers find lanes, tenants' queues and their order without being told."""
 
     prefix: str = "llm"
     requests: str = ""
@@ -25,9 +34,10 @@ class Names:
     heartbeats: str = ""  # sorted set: member = consumer name, score = its last heartbeat (ms)
     cluster: bool = False
     shards: int = 1
+    lanes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        shared = f"{{{self.prefix}}}" if self.cluster else self.prefix
+        shared = self.shared
         for name, base, suffix in (("requests", shared, "requests"), ("group", self.prefix, "workers"),
                                    ("cancel", self.prefix, "cancel"), ("dead", shared, "dead"),
                                    ("traces", shared, "traces"),
@@ -36,6 +46,70 @@ class Names:
                 object.__setattr__(self, name, f"{base}:{suffix}")
         if self.shards < 1:
             raise ValueError("shards must be at least 1")
+        if list(self.lanes) != sorted(set(self.lanes)) or any(c >= 0 for c in self.lanes):
+            # Below 0: jobs of the default priority (0) keep waiting in `requests`.
+            raise ValueError("priority lanes must be distinct negative cutoffs in ascending order")
+        if self.lanes and self.shards > 1:
+            raise ValueError("priority lanes need a single request stream (shards 1)")
+
+    @property
+    def shared(self) -> str:
+        """Prefix of the keys every worker shares (hash-tagged into one slot on a cluster)."""
+        return f"{{{self.prefix}}}" if self.cluster else self.prefix
+
+    @property
+    def streams(self) -> str:
+        """Sorted set of every request stream jobs were pushed to: member = stream, score = lane rank
+        (the lane's priority cutoff; DEFAULT_LANE_RANK for `requests`). Lower ranks are read first."""
+        return f"{self.shared}:streams"
+
+    def lane_for(self, priority: int) -> tuple[str, int]:
+        """(stream, rank) of the lane a job of this priority waits in."""
+        for cutoff in self.lanes:
+            if priority <= cutoff:
+                return f"{self.requests}:prio{cutoff}", cutoff
+        return self.requests, DEFAULT_LANE_RANK
+
+    @staticmethod
+    def tenant_stream(lane: str, tenant: str) -> str:
+        """A tenant's queue inside a lane (its jobs, in the order they came)."""
+        return f"{lane}:t:{tenant}" if tenant else lane
+
+    @property
+    def tenants(self) -> str:
+        """Hash tenant -> share (weight of its fair share), written by gateways from their keys file."""
+        return f"{self.shared}:tenants"
+
+    @property
+    def service(self) -> str:
+        """Hash tenant -> the service (tokens / share) its jobs were given, the fair-share clock."""
+        return f"{self.shared}:tenants:service"
+
+    def tenant_active(self, tenant: str) -> str:
+        """Sorted set of a tenant's jobs not finished yet (member = id, score = expiry ms)."""
+        return f"{self.shared}:tenant:{tenant}:active"
+
+    def tenant_tokens(self, tenant: str) -> str:
+        """Prefix of a tenant's tokens-per-minute counters."""
+        return f"{self.shared}:tenant:{tenant}:tokens"
+
+    def worker_requests(self, name: str) -> str:
+        """A worker's own request stream: jobs routed to it (its cache or a session's KV is there)."""
+        return f"{self.shared}:requests:w:{name}"
+
+    @property
+    def worker_streams(self) -> str:
+        """Sorted set of workers that own a request stream (member = name, score = last beat ms)."""
+        return f"{self.shared}:worker-streams"
+
+    def worker_prefixes(self, name: str) -> str:
+        """Set of the prompt-prefix hashes a worker's cache holds (clients/routing.py), with a TTL."""
+        return f"{self.worker(name)}:prefixes"
+
+    def session(self, session: str) -> str:
+        """The worker that last served a session (expires when the session goes quiet)."""
+        digest = hashlib.blake2b(session.encode(), digest_size=12).hexdigest()
+        return f"{self.shared}:session:{digest}"
 
     @property
     def request_streams(self) -> list[str]:

@@ -22,11 +22,15 @@ from clients.names import Names  # noqa: F401  (re-exported: the protocol's name
 VERSION = 1
 ENCODINGS = ("json", "msgpack")
 JOB_FIELDS = frozenset(
-    {"v", "id", "prompt", "prompt_token_ids", "messages", "tools", "params", "priority", "deadline"}
+    {"v", "id", "prompt", "prompt_token_ids", "messages", "tools", "params", "priority", "deadline", "tenant",
+     "session"}
 )
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
 # Ids become part of Redis key names and log lines: keep them printable and short.
 ID_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+# Tenant names become part of stream names (a tenant's queue, docs/scheduling.md).
+TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+MAX_SESSION_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,8 @@ class Job:
     params: dict[str, Any] = field(default_factory=dict)
     priority: int = 0
     deadline: int | None = None  # unix ms
+    tenant: str = ""  # set by the gateway from the API key ("": none); its share and limits apply
+    session: str = ""  # calls of one conversation or agent ("": none): affinity and attained service
 
 
 def event_stream_id(seq: int) -> str:
@@ -271,6 +277,14 @@ def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
         if not _is_int(obj["deadline"]) or not 0 <= obj["deadline"] < 2**63:
             raise bad("`deadline` must be a unix time in milliseconds (0 to 2**63-1)")
         job.deadline = obj["deadline"]
+    if obj.get("tenant") is not None:
+        if not isinstance(obj["tenant"], str) or not TENANT_RE.match(obj["tenant"]):
+            raise bad("`tenant` must be 1 to 64 letters, digits, '.', '_' or '-'")
+        job.tenant = obj["tenant"]
+    if obj.get("session") is not None:
+        if not isinstance(obj["session"], str) or not 0 < len(obj["session"]) <= MAX_SESSION_CHARS:
+            raise bad(f"`session` must be a non-empty string of at most {MAX_SESSION_CHARS} characters")
+        job.session = obj["session"]
     return job
 
 
