@@ -21,6 +21,14 @@ from clients.names import Names
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where a job was pushed: its stream and its ordinal there (None: not known)."""
+
+    stream: str
+    ordinal: int | None = None
+
+
+@dataclass(frozen=True)
 class JobStatus:
     # queued: no worker has read it | starting: a worker read it (its prompt is being prepared) |
     # waiting: in a worker's engine queue | prefill: its prompt is being computed
@@ -70,11 +78,13 @@ def status_of(progress: bytes | None, ahead: int | None) -> JobStatus:
     return JobStatus("queued", position=ahead)
 
 
-async def job_statuses(redis: Any, names: Names, jobs: dict[str, int | None]) -> dict[str, JobStatus]:
-    """id -> ordinal (None: unknown) in, id -> status out, in one pipelined round trip (per slot on a
-    cluster)."""
+async def job_statuses(redis: Any, names: Names, jobs: dict[str, Placement | None]) -> dict[str, JobStatus]:
+    """id -> where it was pushed (None: not known; its id's stream is assumed) in, id -> status out,
+    in one pipelined round trip (per slot on a cluster). A place counts the jobs ahead in the job's
+    own stream (its lane or tenant queue)."""
     ids = list(jobs)
-    streams = sorted({names.stream_for(rid) for rid in ids})
+    placed = {rid: jobs[rid] or Placement(names.stream_for(rid)) for rid in ids}
+    streams = sorted({p.stream for p in placed.values()})
     async with redis.pipeline(transaction=False) as pipe:
         for rid in ids:
             pipe.get(names.progress(rid))
@@ -83,7 +93,7 @@ async def job_statuses(redis: Any, names: Names, jobs: dict[str, int | None]) ->
         replies = await pipe.execute(raise_on_error=False)
     progress, groups = replies[:len(ids)], dict(zip(streams, replies[len(ids):], strict=True))
     return {rid: status_of(p if isinstance(p, bytes) else None,
-                           ahead_of(jobs[rid], groups[names.stream_for(rid)], names.group))
+                           ahead_of(placed[rid].ordinal, groups[placed[rid].stream], names.group))
             for rid, p in zip(ids, progress, strict=True)}
 
 

@@ -9,6 +9,7 @@ resumable by construction: after a dropped connection it continues after the las
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -17,12 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis, RedisCluster
+from redis.exceptions import ResponseError
 
 from clients.backoff import TRANSIENT, Backoff, retry
 from clients.errors import NoWorker, RequestFailed, UnknownRequest, redact_url
 from clients.heartbeats import as_names, live_args, live_script
-from clients.progress import JobStatus, job_statuses
+from clients.progress import JobStatus, Placement, job_statuses
 from clients.protocol import Names, decode_event, encode_job, event_stream_id
+from clients.routing import Route, Router
 
 log = logging.getLogger("streamer.client")
 
@@ -33,11 +36,17 @@ KEY_TTL_MS = 3_600_000
 # Push a job and record which entry owns its id (`job:{id}`, the key workers also set when they read
 # it), in one atomic round trip: from then on the id exists, so it can be cancelled while it waits in
 # the queue. SET NX: a second job with the same id leaves the first one's owner in place and is refused
-# by the worker as `duplicate_id`.
-# KEYS[1] = requests stream, KEYS[2] = job:{id}; ARGV[1] = field (json | msgpack), ARGV[2] = payload,
-# ARGV[3] = owner TTL (ms). Returns {entry id, the stream's entries-added count after it} (the count is
-# the job's ordinal, from which clients/progress.py tells its place in the queue; Redis < 7 has none).
+# by the worker as `duplicate_id`. A lane or tenant queue pushed to for the first time is registered
+# (with its consumer group, from its start) so that every worker finds it.
+# KEYS[1] = request stream, KEYS[2] = job:{id}, KEYS[3] = the stream registry; ARGV[1] = field (json |
+# msgpack), ARGV[2] = payload, ARGV[3] = owner TTL (ms), ARGV[4] = the stream's lane rank ('': a
+# worker's own stream, not registered), ARGV[5] = consumer group. Returns {entry id, the stream's
+# entries-added count after it} (the count is the job's ordinal, from which clients/progress.py tells
+# its place in the queue; Redis < 7 has none).
 SUBMIT_SCRIPT = """
+if ARGV[4] ~= '' and redis.call('ZADD', KEYS[3], 'NX', ARGV[4], KEYS[1]) == 1 then
+  redis.pcall('XGROUP', 'CREATE', KEYS[1], ARGV[5], '0', 'MKSTREAM')
+end
 local entry = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
 redis.call('SET', KEYS[2], entry, 'NX', 'PX', ARGV[3])
 local info = redis.call('XINFO', 'STREAM', KEYS[1])
@@ -64,21 +73,25 @@ return 1
 """
 
 
-async def push_job(redis: Any, names: Names, submit: Any, request_id: str, field_name: str,
-                   payload: bytes | str) -> int | None:
-    """Push a job onto its stream and record its owner (`job:{id}`): SUBMIT_SCRIPT, one atomic round
-    trip, on a single Redis. On a cluster the stream and `job:{id}` are in different slots, so they
-    are two commands: a client that dies between them leaves a job whose id exists only once a
-    worker reads it (until then it cannot be cancelled); nothing else changes.
-    Returns the job's ordinal in its stream (clients/progress.py), None where it is not known (a
-    cluster, or a Redis before 7)."""
-    stream, owner = names.stream_for(request_id), names.job(request_id)
+async def push_job(redis: Any, names: Names, submit: Any, route: Route, request_id: str, field_name: str,
+                   payload: bytes | str) -> Placement:
+    """Push a job onto the stream `route` names and record its owner (`job:{id}`): SUBMIT_SCRIPT, one
+    atomic round trip, on a single Redis. On a cluster the stream and `job:{id}` are in different
+    slots, so they are separate commands: a client that dies between them leaves a job whose id exists
+    only once a worker reads it (until then it cannot be cancelled); nothing else changes.
+    Returns where it waits, with its ordinal there when known (clients/progress.py)."""
+    stream, owner = route.stream, names.job(request_id)
+    rank = "" if route.rank is None else str(route.rank)
     if not names.cluster:
-        _entry, ordinal = await submit(keys=[stream, owner], args=[field_name, payload, KEY_TTL_MS])
-        return int(ordinal) if int(ordinal) > 0 else None
+        _entry, ordinal = await submit(keys=[stream, owner, names.streams],
+                                       args=[field_name, payload, KEY_TTL_MS, rank, names.group])
+        return Placement(stream, int(ordinal) if int(ordinal) > 0 else None)
+    if rank and await redis.zadd(names.streams, {stream: route.rank}, nx=True):
+        with contextlib.suppress(ResponseError):  # BUSYGROUP: another submitter created it
+            await redis.xgroup_create(stream, names.group, id="0", mkstream=True)
     entry = await redis.xadd(stream, {field_name: payload})
     await redis.set(owner, entry, nx=True, px=KEY_TTL_MS)
-    return None
+    return Placement(stream, None)
 
 
 def connect(url: str, names: Names, **options: Any) -> Any:
@@ -117,8 +130,8 @@ class Generation:
 
 def build_job(request_id: str, prompt: str | None, messages: list[dict[str, Any]] | None,
               prompt_token_ids: list[int] | None, params: dict[str, Any] | None,
-              priority: int | None, deadline: int | None, tools: list[dict[str, Any]] | None = None
-              ) -> dict[str, Any]:
+              priority: int | None, deadline: int | None, tools: list[dict[str, Any]] | None = None,
+              session: str | None = None, tenant: str | None = None) -> dict[str, Any]:
     job: dict[str, Any] = {"id": request_id, "params": dict(params or {})}
     given = {"prompt": prompt, "messages": messages, "prompt_token_ids": prompt_token_ids}
     given = {k: v for k, v in given.items() if v is not None}
@@ -131,14 +144,21 @@ def build_job(request_id: str, prompt: str | None, messages: list[dict[str, Any]
         job["deadline"] = deadline
     if tools is not None:
         job["tools"] = tools
+    if session is not None:
+        job["session"] = session
+    if tenant is not None:
+        job["tenant"] = tenant
     return job
 
 
 class AsyncClient:
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "llm", encoding: str = "json",
-                 names: Names | None = None, retry_s: float = 30.0, cluster: bool = False) -> None:
+                 names: Names | None = None, retry_s: float = 30.0, cluster: bool = False,
+                 routing: str = "cache_load") -> None:
         """`retry_s`: how long submit() and cancel() keep retrying while Redis is unreachable.
-        `cluster`: `url` is a node of a Redis Cluster (or pass `names` with `cluster=True`)."""
+        `cluster`: `url` is a node of a Redis Cluster (or pass `names` with `cluster=True`).
+        `routing`: where jobs go with several workers (clients/routing.py; "shared": always the
+        shared lanes)."""
         if encoding not in ("json", "msgpack"):
             raise ValueError("encoding must be json or msgpack")
         self.url, self.encoding, self.retry_s = url, encoding, retry_s
@@ -147,7 +167,8 @@ class AsyncClient:
         self._submit = self.redis.register_script(SUBMIT_SCRIPT)
         self._cancel = self.redis.register_script(CANCEL_SCRIPT)
         self._live = live_script(self.redis)
-        self._ordinals: dict[str, int | None] = {}  # submitted here: id -> place in its stream
+        self.router = Router(self.redis, self.names, routing)
+        self._placements: dict[str, Placement] = {}  # submitted here: id -> where it waits
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -161,25 +182,30 @@ class AsyncClient:
     async def submit(self, prompt: str | None = None, *, messages: list[dict[str, Any]] | None = None,
                      prompt_token_ids: list[int] | None = None, params: dict[str, Any] | None = None,
                      id: str | None = None, priority: int | None = None, deadline: int | None = None,
-                     tools: list[dict[str, Any]] | None = None) -> str:
+                     tools: list[dict[str, Any]] | None = None, session: str | None = None,
+                     tenant: str | None = None) -> str:
         """Push a job; returns its id (a fresh UUID unless given). `tools`: function definitions the
-        chat template renders (with `messages`)."""
+        chat template renders (with `messages`). `session`: calls of one conversation or agent share
+        it (they go to the worker holding its KV, and light sessions overtake heavy ones). `tenant`:
+        whose share the job counts against (a gateway sets it from the API key)."""
         request_id = id or uuid.uuid4().hex
-        job = build_job(request_id, prompt, messages, prompt_token_ids, params, priority, deadline, tools)
+        job = build_job(request_id, prompt, messages, prompt_token_ids, params, priority, deadline, tools,
+                        session, tenant)
         ((field_name, payload),) = encode_job(job, self.encoding).items()
+        route = await retry("route", log, lambda: self.router.route(job), self.retry_s)
         # Safe to retry: if a lost reply hides a first XADD that worked, the second copy carries the
         # same id and is refused by the worker as a duplicate.
-        ordinal = await retry("submit", log, lambda: push_job(self.redis, self.names, self._submit, request_id,
-                                                              field_name, payload), self.retry_s)
-        if len(self._ordinals) >= 4096:  # only for status(): a long-lived client keeps the newest
-            self._ordinals.pop(next(iter(self._ordinals)))
-        self._ordinals[request_id] = ordinal
+        placement = await retry("submit", log, lambda: push_job(self.redis, self.names, self._submit, route,
+                                                                request_id, field_name, payload), self.retry_s)
+        if len(self._placements) >= 4096:  # only for status(): a long-lived client keeps the newest
+            self._placements.pop(next(iter(self._placements)))
+        self._placements[request_id] = placement
         return request_id
 
     async def status(self, request_id: str) -> JobStatus:
         """Where a request is before its first token: queued (with its place when it was submitted by
         this client), starting, or its prompt's progress on a worker (clients/progress.py)."""
-        statuses = await job_statuses(self.redis, self.names, {request_id: self._ordinals.get(request_id)})
+        statuses = await job_statuses(self.redis, self.names, {request_id: self._placements.get(request_id)})
         return statuses[request_id]
 
     async def live_workers(self) -> list[str]:

@@ -245,7 +245,7 @@ def test_pubsub_messages_and_event_entries_decode_in_either_encoding(encoding):
     assert decode_event({encoding.encode(): raw}) == decode_message(raw)
 
 
-ALLOWED = "['deadline', 'id', 'messages', 'params', 'priority', 'prompt', 'prompt_token_ids', 'tools', 'v']"
+ALLOWED = "['deadline', 'id', 'messages', 'params', 'priority', 'prompt', 'prompt_token_ids', 'session', 'tenant', 'tools', 'v']"
 
 
 @pytest.mark.parametrize("obj, code, message", [
@@ -268,6 +268,14 @@ ALLOWED = "['deadline', 'id', 'messages', 'params', 'priority', 'prompt', 'promp
      "`priority` must be an integer from -2**31 to 2**31"),
     ({"v": 1, "id": "x", "prompt": "hi", "deadline": -1}, "invalid_request",
      "`deadline` must be a unix time in milliseconds (0 to 2**63-1)"),
+    ({"v": 1, "id": "x", "prompt": "hi", "tenant": "a b"}, "invalid_request",
+     "`tenant` must be 1 to 64 letters, digits, '.', '_' or '-'"),
+    ({"v": 1, "id": "x", "prompt": "hi", "tenant": 7}, "invalid_request",
+     "`tenant` must be 1 to 64 letters, digits, '.', '_' or '-'"),
+    ({"v": 1, "id": "x", "prompt": "hi", "session": ""}, "invalid_request",
+     "`session` must be a non-empty string of at most 256 characters"),
+    ({"v": 1, "id": "x", "prompt": "hi", "session": "s" * 257}, "invalid_request",
+     "`session` must be a non-empty string of at most 256 characters"),
     ({"v": 1, "id": "x", "messages": [{"role": "u"}]}, "invalid_request",
      'a message\'s `content` must be a string or a list of {"type": "text", "text": string} parts'),
     ({"v": 1, "id": "x", "messages": [{"role": "u", "content": "x"}], "tools": [{"type": "fn"}]}, "invalid_request",
@@ -286,6 +294,8 @@ def test_accepted_values_at_their_limits(encoding):
                                  "deadline": 0}, encoding))
     assert (job.prompt_token_ids, job.prompt, job.priority, job.deadline) == ([0, 5], None, -(2**31), 0)
     assert decode_job(job_fields({"v": 1, "id": "x", "prompt": "a", "priority": 2**31}, encoding)).priority == 2**31
+    job = decode_job(job_fields({"v": 1, "id": "x", "prompt": "a", "tenant": "acme-1", "session": "conv/7"}, encoding))
+    assert (job.tenant, job.session) == ("acme-1", "conv/7")
 
 
 def test_payload_size_and_depth_limits_are_inclusive():

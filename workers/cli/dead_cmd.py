@@ -20,6 +20,7 @@ import redis
 from clients.errors import ProtocolError
 from clients.protocol import ENCODINGS, Limits, Names, decode_job, decode_payload
 from clients.redis_client import KEY_TTL_MS, SUBMIT_SCRIPT
+from clients.routing import lane_route
 from workers.errors import UserError
 from workers.redis_options import add_redis_arguments, check_redis, names_from_args, sync_client
 
@@ -167,7 +168,9 @@ def _requeue(client: redis.Redis, names: Names, args: argparse.Namespace) -> Non
         raise UserError(f"request id {job.id!r} is still in use ({', '.join(in_use)}; they expire in "
                         f"{ttl_s:.0f}s): a copy pushed now would be refused as duplicate_id; requeue it "
                         "once they are gone")
-    stream = names.stream_for(job.id)
+    # Back into its lane (and tenant's queue), as a submitter would push it.
+    route = lane_route(names, {"id": job.id, "priority": job.priority, "tenant": job.tenant})
+    stream = route.stream
     if names.cluster:  # the stream, the id's key and the dead letters sit in different slots
         entry = client.xadd(stream, {encoding: raw})
         client.set(names.job(job.id), entry, nx=True, px=KEY_TTL_MS)
@@ -175,7 +178,9 @@ def _requeue(client: redis.Redis, names: Names, args: argparse.Namespace) -> Non
     else:
         submit = client.register_script(SUBMIT_SCRIPT)
         with client.pipeline(transaction=True) as pipe:  # pushed and removed from the dead letters together
-            submit(keys=[stream, names.job(job.id)], args=[encoding, raw, KEY_TTL_MS], client=pipe)
+            submit(keys=[stream, names.job(job.id), names.streams],
+                   args=[encoding, raw, KEY_TTL_MS, "" if route.rank is None else route.rank, names.group],
+                   client=pipe)
             pipe.xdel(names.dead, dead_id)
             (entry, _ordinal), _ = pipe.execute()
     print(f"requeued dead letter {dead_id} (request {job.id}) as entry {_text(entry)} of {stream}")

@@ -21,9 +21,11 @@ import redis.asyncio as aioredis
 from clients.backoff import TRANSIENT, Backoff
 from clients.errors import ProtocolError
 from clients.heartbeats import live_script, live_worker_stats
-from clients.progress import JobStatus, job_statuses
+from clients.progress import JobStatus, Placement, job_statuses
 from clients.protocol import Names, decode_message, decode_payload, encode_job, event_stream_id, split_fields
 from clients.redis_client import CANCEL_SCRIPT, SUBMIT_SCRIPT, push_job
+from clients.routing import Router
+from clients.streams import all_streams
 from workers.gateway.metrics import Metrics
 from workers.gateway.watch import Watch
 from workers.redis_options import async_client
@@ -51,7 +53,7 @@ async def _close_later(pubsub: Any) -> None:
 
 class Hub:
     def __init__(self, redis_url: str, names: Names, metrics: Metrics, *, ttl_s: float = 3600.0,
-                 idle_poll_s: float = 5.0) -> None:
+                 idle_poll_s: float = 5.0, routing: str = "cache_load") -> None:
         self.names, self.metrics, self.ttl_ms, self.idle_poll_s = names, metrics, int(ttl_s * 1000), idle_poll_s
         # The health check PINGs an idle connection (pub/sub included) now and then, so a connection
         # that died silently is noticed and replaced instead of waiting forever.
@@ -64,6 +66,7 @@ class Hub:
         # The Python client's scripts: a job's id exists from its push on, and only such ids can be
         # cancelled (no key for a made-up id).
         self._submit = self.redis.register_script(SUBMIT_SCRIPT)
+        self.router = Router(self.redis, names, routing)
         self._cancel_known = self.redis.register_script(CANCEL_SCRIPT)
         self._live_workers = live_script(self.redis)
         self.watches: dict[str, set[Watch]] = {}  # channel -> readers (the subscriptions we want)
@@ -129,23 +132,26 @@ class Hub:
         """Undo a claim whose job was never pushed (best effort: it expires anyway)."""
         await self.redis.delete(self._claim_key(request_id))
 
-    async def push(self, job: dict[str, Any]) -> int | None:
-        """Queue a job (already checked with protocol.parse_job, its id claimed), recording its entry as
-        the owner of the id (`job:{id}`, as workers do when they read it). Returns its ordinal in its
-        stream (None: not known), for `statuses`."""
+    async def push(self, job: dict[str, Any]) -> Placement:
+        """Queue a job (already checked with protocol.parse_job, its id claimed) where the router sends
+        it, recording its entry as the owner of the id (`job:{id}`, as workers do when they read it).
+        Returns where it waits, for `statuses`."""
         ((field_name, payload),) = encode_job(job, "json").items()
-        ordinal = await push_job(self.redis, self.names, self._submit, job["id"], field_name, payload)
+        route = await self.router.route(job)
+        placement = await push_job(self.redis, self.names, self._submit, route, job["id"], field_name, payload)
         self.metrics.inc("requests_total")
-        return ordinal
+        self.metrics.routed(route.outcome)
+        return placement
 
-    async def statuses(self, jobs: dict[str, int | None]) -> dict[str, JobStatus]:
-        """Where each job (id -> ordinal) is now: queued (at which place), or its prompt's progress."""
+    async def statuses(self, jobs: dict[str, Placement | None]) -> dict[str, JobStatus]:
+        """Where each job is now: queued (at which place), or its prompt's progress."""
         return await job_statuses(self.redis, self.names, jobs)
 
     async def backlog(self) -> int:
         """Entries on the request streams: jobs no worker has read yet plus those being served."""
+        streams = await all_streams(self.redis, self.names)
         async with self.redis.pipeline(transaction=False) as pipe:
-            for stream in self.names.request_streams:
+            for stream in streams:
                 pipe.xlen(stream)
             return sum(await pipe.execute())
 

@@ -109,7 +109,8 @@ class Heartbeat:
                 "running": s.get("num_running", 0), "waiting": s.get("num_waiting", 0),
                 "kv_usage": s.get("kv_utilization", 0.0), "kv_blocks_used": s.get("kv_blocks_used", 0),
                 "kv_blocks_total": s.get("kv_blocks_total", 0), "max_model_len": s.get("max_model_len", 0),
-                "jobs": self.state.held, "generation_tokens": s.get("generation_tokens", 0),
+                "jobs": self.state.held, "max_num_seqs": s.get("max_num_seqs", 0),
+                "generation_tokens": s.get("generation_tokens", 0),
                 "writer_round_trips": self.writer.round_trips, "updated_ms": int(time.time() * 1000)}
 
     async def _heartbeat(self, key: str, ttl_ms: int) -> None:

@@ -22,6 +22,7 @@ from workers.worker.attempts import PreviousAttempt
 from workers.worker.config import WorkerConfig
 from workers.worker.job import JobRunner
 from workers.worker.state import Delivery, WorkerState, as_str
+from workers.worker.streams import StreamSet, Taken
 
 log = logging.getLogger("streamer.worker")
 
@@ -51,14 +52,15 @@ return {owner, epoch, -1, 0}
 class Intake:
     """Reads entries while the engine has room and starts a `JobRunner` task for each in `jobs`."""
 
-    def __init__(self, redis: Redis, config: WorkerConfig, state: WorkerState, runner: JobRunner) -> None:
+    def __init__(self, redis: Redis, config: WorkerConfig, state: WorkerState, runner: JobRunner,
+                 streams: StreamSet) -> None:
         self.redis, self.cfg, self.names = redis, config, config.names
-        self.state, self.runner = state, runner
+        self.state, self.runner, self.streams = state, runner, streams
         self._claim = redis.register_script(_CLAIM)
 
     async def ensure_group(self) -> None:
         backoff = Backoff("create group", log)
-        for stream in self.names.request_streams:
+        for stream in [*self.names.request_streams, self.streams.own]:
             while True:
                 try:
                     # From id 0: jobs pushed before the first worker ever started are served too.
@@ -72,16 +74,40 @@ class Intake:
                     await backoff.sleep(e)
 
     async def read_loop(self, jobs: TaskGroup) -> None:
-        """One XREADGROUP over every request stream; on a cluster, whose streams sit in different
-        slots, one reader per stream, each reading its share of the capacity (together they may
-        overshoot by a job each: the engine queues those)."""
+        """Take jobs as capacity allows: in lane and fair-share order from every registered stream
+        (streams.py), or, over sharded streams, one XREADGROUP over them all; on a cluster, whose
+        shards sit in different slots, one reader per shard, each reading its share of the capacity
+        (together they may overshoot by a job each: the engine queues those)."""
         streams = self.names.request_streams
-        if len(streams) == 1 or not self.names.cluster:
+        if len(streams) == 1:
+            await self._take_loop(jobs)
+        elif not self.names.cluster:
             await self._read_streams(streams, 1, jobs)
-            return
-        async with anyio.create_task_group() as readers:
-            for stream in streams:
-                readers.start_soon(self._read_streams, [stream], len(streams), jobs)
+        else:
+            async with anyio.create_task_group() as readers:
+                for stream in streams:
+                    readers.start_soon(self._read_streams, [stream], len(streams), jobs)
+
+    async def _take_loop(self, jobs: TaskGroup) -> None:
+        backoff = Backoff("read", log)
+        while True:
+            count = await self.state.wait_capacity()
+            try:
+                taken = await self.streams.take(count)
+                if not taken:  # all empty: wait for the next job wherever it comes
+                    taken = await self.streams.wait_any(self.cfg.block_ms)
+                backoff.reset()
+            except ResponseError as e:
+                await self.refused("read", e, backoff)
+                continue
+            except TRANSIENT as e:
+                await backoff.sleep(e)
+                continue
+            if 0 < len(taken) < count and self.cfg.read_linger_ms > 0:
+                await anyio.sleep(self.cfg.read_linger_ms / 1000)  # gather a burst (see _read_streams)
+                with contextlib.suppress(*TRANSIENT):
+                    taken += await self.streams.take(count - len(taken))
+            await self.start_batch(taken, jobs)
 
     async def _read_streams(self, streams: list[str], readers: int, jobs: TaskGroup) -> None:
         backoff = Backoff("read", log)
@@ -104,7 +130,7 @@ class Intake:
                 await anyio.sleep(self.cfg.read_linger_ms / 1000)
                 with contextlib.suppress(*TRANSIENT):
                     entries += await self._read(streams, count - len(entries), None)
-            await self.start_batch([(stream, entry_id, fields, 1) for stream, entry_id, fields in entries], jobs)
+            await self.start_batch([Taken(stream, entry_id, fields) for stream, entry_id, fields in entries], jobs)
 
     async def _read(self, streams: list[str], count: int, block_ms: int | None) -> list[tuple[str, Any, Any]]:
         """(stream, entry id, fields) of up to `count` new entries of `streams` (in total, about)."""
@@ -118,17 +144,17 @@ class Intake:
         key of the wrong type) is logged and retried with backoff, the worker stays up."""
         if "NOGROUP" in str(error):
             log.warning("consumer group missing (Redis lost its data?): creating it again")
+            self.streams.forget_groups()
             await self.ensure_group()
         else:
             log.error("%s: Redis refused: %s", what, error)
             await backoff.sleep(error)
 
-    async def start_batch(self, entries: list[tuple[str, Any, Any, int]], jobs: TaskGroup) -> None:
-        """Decode a batch of (stream, entry id, fields, deliveries), claim their ids in entry order (the
-        first of two jobs with the same id wins), read their resume state in one round trip, then start
-        one task per job in `jobs`."""
-        batch = [self._decode(stream, as_str(entry_id), fields, deliveries)
-                 for stream, entry_id, fields, deliveries in entries]
+    async def start_batch(self, entries: list[Taken], jobs: TaskGroup) -> None:
+        """Decode a batch of taken entries, claim their ids in entry order (the first of two jobs with
+        the same id wins), read their resume state in one round trip, then start one task per job in
+        `jobs`."""
+        batch = [self._decode(t) for t in entries]
         with_ids = [d for d in batch if d.request_id is not None]
         if with_ids:
             replies = await retry("load jobs", log, lambda: self._load_pipeline(with_ids))
@@ -138,10 +164,11 @@ class Intake:
             self.state.job_read(d.stream, d.entry_id, d.request_id or "")
             jobs.start_soon(self.runner.run, d, name=f"job {d.entry_id}")
 
-    def _decode(self, stream: str, entry_id: str, fields: Any, deliveries: int) -> Delivery:
-        d = Delivery(entry_id, fields, deliveries, stream=stream)
+    def _decode(self, t: Taken) -> Delivery:
+        d = Delivery(as_str(t.entry_id), t.fields, t.deliveries, stream=t.stream, charged_to=t.tenant,
+                     charged=t.charged)
         try:
-            d.job = decode_job(fields or {}, self.cfg.limits)
+            d.job = decode_job(t.fields or {}, self.cfg.limits)
         except ProtocolError as e:
             d.error = e
         return d

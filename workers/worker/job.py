@@ -19,6 +19,7 @@ from clients.protocol import done_event, token_event
 from clients.resume import ResumeState
 from streamer import RequestOutput, SamplingParams
 from streamer.errors import EngineDeadError, GrammarError, QueueFullError
+from workers.worker.accounting import Accounting
 from workers.worker.answers import Answers
 from workers.worker.attempts import Attempts
 from workers.worker.config import WorkerConfig
@@ -34,9 +35,9 @@ class JobRunner:
     """The task of one job, from its checks to its last event (answered through `Answers`)."""
 
     def __init__(self, engine: Engine, config: WorkerConfig, state: WorkerState, answers: Answers,
-                 attempts: Attempts, metrics: WorkerMetrics) -> None:
+                 attempts: Attempts, metrics: WorkerMetrics, accounting: Accounting) -> None:
         self.engine, self.cfg, self.state, self.answers, self.attempts = engine, config, state, answers, attempts
-        self.metrics = metrics
+        self.metrics, self.accounting = metrics, accounting
 
     async def run(self, d: Delivery) -> None:
         """The task of one delivery (intake started it after `WorkerState.job_read`)."""
@@ -45,7 +46,9 @@ class JobRunner:
             if d.error is not None:
                 await self.answers.reject(d, d.error)
             else:
-                await self._serve(d, admitted)
+                run = await self._serve(d, admitted)
+                if run is not None:
+                    self.accounting.finished(run.job, run.tokens, d.charged_to, d.charged, run.answer)
         except anyio.get_cancelled_exc_class():
             raise  # shutdown or lost ownership: no answer, another worker resumes it
         except EngineDeadError as e:  # not the job's fault: leave it unacked for a healthy worker
@@ -64,45 +67,48 @@ class JobRunner:
                 self.state.admitted()
             self.state.job_ended(d.entry_id, d.request_id)
 
-    async def _serve(self, d: Delivery, admitted: list[bool]) -> None:
+    async def _serve(self, d: Delivery, admitted: list[bool]) -> RunningJob | None:
+        """Answer a decoded job; returns it when this delivery answered it (None: a duplicate, or
+        answered before)."""
         job, entry_id, state = d.job, d.entry_id, d.state
         assert job is not None
         if not d.ours:
             await self.answers.dead_letter(entry_id, d.fields, ProtocolError(
                 "duplicate_id", f"id {job.id!r} is already used by another request", job.id))
             await self.answers.ack(d.stream, entry_id)
-            return
+            return None
         if state.finished:  # answered before, only the ack was lost
             await self.answers.ack(d.stream, entry_id)
-            return
+            return None
         run = RunningJob(job, entry_id, state.next_seq, d.fields, stream=d.stream, epoch=d.epoch)
         deliveries = d.deliveries
         if deliveries > self.cfg.max_deliveries:
             await self.answers.fail(run, "too_many_deliveries",
                              f"job was delivered {deliveries} times without finishing")
-            return
+            return run
         if d.suspect and d.previous.alone:
             await self.answers.fail(run, "crashed_worker", "the job was running alone in the engine when its "
                                     "worker died, before any output: it is not handed to another worker")
-            return
+            return run
         if d.suspect:
             log.warning("request %s: its worker died while it entered the engine; running it alone", job.id)
         try:
             params = SamplingParams.from_dict(job.params)
         except (TypeError, ValueError) as e:
             await self.answers.fail(run, "invalid_params", str(e))
-            return
+            return run
         resume = state.resume_token_ids(params.n)
         if job.deadline is not None and resume is None and time.time() * 1000 > job.deadline:
             self.answers.emit(run, [], error=ProtocolError("expired", "the deadline passed before the job started"))
-            return
+            return run
         if d.cancelled or self.state.take_cancel(job.id):
             self.answers.emit(run, [done_event(job.id, run.next_seq, ["abort"] * params.n, _usage(0, 0, 0))])
             self.metrics.finished(["abort"] * params.n)
-            return
+            return run
         self.state.running[job.id] = run
         with run.scope:
             await self._generate(run, params, d, resume, admitted)
+        return run
 
     async def _generate(self, run: RunningJob, params: SamplingParams, d: Delivery,
                         resume: list[list[int]] | None, admitted: list[bool]) -> None:
@@ -118,6 +124,7 @@ class JobRunner:
             self.state.admitted()
             self.state.proven(d.suspect)
         if started is not None:
+            self.accounting.started(run.job)
             stream, first = started
             try:
                 await self._relay(run, params, d.state, stream, first)
@@ -146,7 +153,7 @@ class JobRunner:
         backoff_s = 0.05
         while True:
             stream = self.engine.generate(prompt, params, job.id, priority=job.priority,
-                                          resume_token_ids=resume)
+                                          resume_token_ids=resume, session=job.session or None)
             try:
                 first = await self._first_output(stream, deadline)
             except QueueFullError:  # admission raced with other load: the job waits, still ours
@@ -182,6 +189,7 @@ class JobRunner:
         """Engine outputs -> events, one event per sample per step, until the request finishes."""
         job = run.job
         emitted = {k: len(v) for k, v in state.token_ids.items()}  # counts include a resumed run's
+        answer_text = ""  # the first sample's text generated here
         reasons: dict[int, str] = {}
         observed = self.metrics.request(run.entry_id, fresh=state.next_seq == 0)
         while True:
@@ -197,6 +205,7 @@ class JobRunner:
                     events.append(token_event(job.id, run.next_seq + len(events), c.index,
                                               list(c.token_ids), c.text, c.logprobs, texts))
                     emitted[c.index] = emitted.get(c.index, 0) + len(c.token_ids)
+                    answer_text += c.text if c.index == 0 else ""
                     new_tokens += len(c.token_ids)
                 if c.finish_reason is not None:
                     reasons[c.index] = c.finish_reason
@@ -207,6 +216,9 @@ class JobRunner:
                 count = max(params.n, 1 + max([*reasons, *emitted], default=0))
                 finish_reasons = [reasons.get(k, "abort") for k in range(count)]
                 events.append(done_event(job.id, run.next_seq + len(events), finish_reasons, usage))
+                run.tokens = usage["prompt_tokens"] + usage["completion_tokens"]
+                # A resumed run's answer began elsewhere: its text here is only a part of it.
+                run.answer = None if state.token_ids else answer_text
                 self.answers.emit(run, events)
                 observed.finished(out, finish_reasons, params, emitted)
                 return

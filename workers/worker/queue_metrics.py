@@ -34,6 +34,7 @@ from redis.exceptions import ResponseError
 
 from clients.backoff import TRANSIENT
 from clients.heartbeats import as_names, live_args, live_script
+from clients.streams import all_streams
 from workers.redis_options import async_client
 from workers.worker.config import WorkerConfig
 from workers.worker.state import as_str
@@ -65,6 +66,7 @@ class QueueMonitor:
         self._live = live_script(self.redis)
         self.exporting = False
         self.queues: dict[str, tuple[int, int, int]] = {}  # stream -> (backlog, lag, pending)
+        self.service: dict[str, float] = {}  # tenant -> service clock (tokens / share), streams.py
         registry.register(self)
 
     async def loop(self) -> None:
@@ -92,12 +94,16 @@ class QueueMonitor:
         if not self.exporting:
             self.queues = {}
             return
-        streams = self.names.request_streams
+        # Every lane, tenant's queue and worker's own stream (clients/streams.py).
+        streams = await all_streams(self.redis, self.names)
         async with self.redis.pipeline(transaction=False) as pipe:
             for stream in streams:
                 pipe.xlen(stream)
                 pipe.xinfo_groups(stream)
+            pipe.hgetall(self.names.service)
             replies = await pipe.execute(raise_on_error=False)
+        service = replies.pop()
+        self.service = {as_str(k): float(v) for k, v in service.items()} if isinstance(service, dict) else {}
         queues = {}
         for i, stream in enumerate(streams):
             length, groups = replies[2 * i: 2 * i + 2]
@@ -132,3 +138,11 @@ class QueueMonitor:
             for stream, values in queues.items():
                 gauge.add_metric([stream], float(values[k]))
             yield gauge
+        service = GaugeMetricFamily("streamer_tenant_service", "Each tenant's fair-share clock: tokens its "
+                                    "jobs were given divided by its share ('~': jobs without a tenant); under "
+                                    "saturation the clocks of backlogged tenants advance together.",
+                                    labels=["tenant"])
+        for tenant, value in self.service.items():
+            if tenant != "~clock":
+                service.add_metric([tenant], value)
+        yield service

@@ -18,9 +18,11 @@ from redis.exceptions import ResponseError
 
 from clients.backoff import TRANSIENT, Backoff
 from clients.heartbeats import as_names, live_args, live_script
+from clients.streams import all_streams, worker_stream_owners
 from workers.worker.config import WorkerConfig
 from workers.worker.intake import Intake
 from workers.worker.state import WorkerState, as_str
+from workers.worker.streams import Taken
 
 log = logging.getLogger("streamer.worker")
 
@@ -71,8 +73,13 @@ class Reclaimer:
         while True:
             await anyio.sleep(self.cfg.claim_idle_s / 2)
             try:
-                for stream in self.names.request_streams:
+                streams = self.intake.streams
+                await streams.refresh()
+                others = await worker_stream_owners(self.redis, self.names)
+                others.pop(self.cfg.consumer, None)
+                for stream in [*streams.names_read, *map(self.names.worker_requests, others)]:
                     await self._claim_stream(stream, idle_ms, jobs)
+                await self._adopt(others, jobs)
                 if time.monotonic() >= self._next_cleanup:
                     self._next_cleanup = time.monotonic() + self.cfg.consumer_idle_s / 4
                     await self.drop_idle_consumers()
@@ -92,12 +99,65 @@ class Reclaimer:
             if cursor in (b"0-0", "0-0"):
                 return
 
+    async def _adopt(self, others: dict[str, int], jobs: TaskGroup) -> None:
+        """Jobs routed to another worker that is dead (no fresh heartbeat) or has left them unread for
+        `claim_idle_s` (stalled) are taken here; a dead worker's emptied stream is removed once it has
+        been gone for `consumer_idle_s`."""
+        if not others:
+            return
+        live = set(as_names(await self._live(**live_args(self.names))))
+        seconds, micros = await self.redis.time()
+        now_ms = seconds * 1000 + micros // 1000
+        for name, beat_ms in others.items():
+            stream = self.names.worker_requests(name)
+            if name in live and not await self._stalled(stream, now_ms):
+                continue
+            entries = await self._take_from(stream)
+            if entries:
+                log.info("took %d job(s) routed to %s worker %s", len(entries),
+                         "stalled" if name in live else "dead", name)
+                await self.intake.start_batch(entries, jobs)
+            elif name not in live and now_ms - beat_ms > self.cfg.consumer_idle_s * 1000:
+                await self._remove_stream(name, stream)
+
+    async def _stalled(self, stream: str, now_ms: int) -> bool:
+        """Its oldest entry nobody read yet waits for longer than claim_idle_s."""
+        group = await self._group(stream)
+        if group is None or not group.get("lag"):
+            return False
+        first = await self.redis.xrange(stream, f"({as_str(group['last-delivered-id'])}", "+", count=1)
+        return bool(first) and now_ms - int(as_str(first[0][0]).split("-")[0]) > self.cfg.claim_idle_s * 1000
+
+    async def _group(self, stream: str) -> dict[str, Any] | None:
+        """Our group's XINFO GROUPS entry on `stream` (None: no such stream or group)."""
+        try:
+            groups = await self.redis.xinfo_groups(stream)
+        except ResponseError:  # no such key
+            return None
+        return next((g for g in groups if as_str(g.get("name")) == self.names.group), None)
+
+    async def _take_from(self, stream: str) -> list[Taken]:
+        count = self.state.capacity()
+        if count <= 0:
+            return []
+        reply = await self.redis.xreadgroup(self.names.group, self.cfg.consumer, {stream: ">"}, count=count)
+        return [Taken(stream, entry_id, fields) for _, entries in reply or [] for entry_id, fields in entries]
+
+    async def _remove_stream(self, name: str, stream: str) -> None:
+        group = await self._group(stream)
+        if group is None or (not group.get("lag") and not group.get("pending")):
+            log.info("removing the request stream of worker %s, gone for good", name)
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.zrem(self.names.worker_streams, name)
+                pipe.delete(stream, self.names.worker_prefixes(name))
+                await pipe.execute()
+
     async def drop_idle_consumers(self) -> list[str]:
         """Delete consumers that hold nothing and have been idle over `consumer_idle_s` (not this one,
         which is live: it beats and reads); returns their names."""
         live = as_names(await self._live(**live_args(self.names)))
         removed = []
-        for stream in self.names.request_streams:
+        for stream in await all_streams(self.redis, self.names):
             removed += await self._drop_idle(keys=[stream],
                                              args=[self.names.group, int(self.cfg.consumer_idle_s * 1000), *live])
         names = sorted({as_str(name) for name in removed})
@@ -121,5 +181,5 @@ class Reclaimer:
             deliveries = info[0]["times_delivered"] if info else 1
             log.info("reclaimed job entry %s (delivery %d)", as_str(entry_id), deliveries)
             self.on_reclaim(stream)
-            batch.append((stream, entry_id, fields, deliveries))
+            batch.append(Taken(stream, entry_id, fields, deliveries=deliveries))
         await self.intake.start_batch(batch, jobs)

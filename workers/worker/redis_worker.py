@@ -25,6 +25,7 @@ from redis.exceptions import ResponseError
 
 from clients.backoff import TRANSIENT
 from workers.redis_options import async_client
+from workers.worker.accounting import Accounting
 from workers.worker.answers import Answers
 from workers.worker.attempts import Attempts
 from workers.worker.cancel import CancelListener
@@ -40,6 +41,7 @@ from workers.worker.queue_metrics import QUEUE_POLL_S, QueueMonitor
 from workers.worker.reclaim import Reclaimer
 from workers.worker.state import WorkerState
 from workers.worker.steps import StepMonitor
+from workers.worker.streams import StreamSet
 
 log = logging.getLogger("streamer.worker")
 
@@ -67,8 +69,14 @@ class Worker:
         self.writer = EventWriter(self.redis, self.names, int(config.events_ttl_s * 1000),
                                   on_fenced=self.state.fenced, on_round_trip=m.event_write)
         self.answers = Answers(self.redis, config, self.state, self.writer, on_dead_letter=m.dead_lettered)
-        self.runner = JobRunner(engine, config, self.state, self.answers, Attempts(self.redis, self.names), m)
-        self.intake = Intake(self.redis, config, self.state, self.runner)
+        # Prefixes, sessions and tenants' accounts, advertised for routing and fair sharing; kept three
+        # heartbeats, like the stats hash.
+        self.accounting = Accounting(self.redis, self.names, config.consumer, int(config.heartbeat_s * 3000),
+                                     capacity=self._kv_tokens)
+        self.runner = JobRunner(engine, config, self.state, self.answers, Attempts(self.redis, self.names), m,
+                                self.accounting)
+        self.streams = StreamSet(self.redis, self.names, config.consumer)
+        self.intake = Intake(self.redis, config, self.state, self.runner, self.streams)
         self.reclaimer = Reclaimer(self.redis, config, self.state, self.intake, on_reclaim=m.reclaimed)
         self.queue = QueueMonitor(config, m.registry, on_reconnect=m.reconnected,
                                   every_s=min(QUEUE_POLL_S, config.heartbeat_s))
@@ -114,6 +122,7 @@ class Worker:
                 services.start_soon(self.cancels.listen)
                 services.start_soon(self.progress.loop)
                 services.start_soon(self.steps.loop)
+                services.start_soon(self.accounting.loop)
                 if cfg.metrics_port:
                     services.start_soon(self.queue.loop)
                 async with anyio.create_task_group() as jobs:
@@ -153,13 +162,19 @@ class Worker:
                         sorted(state.running))
         jobs.cancel_scope.cancel()
 
+    def _kv_tokens(self) -> int:
+        """Tokens the engine's KV cache holds (what the prefix advertisement is bounded by)."""
+        s = self.engine.stats()
+        return int(s.get("kv_blocks_total", 0)) * int(s.get("block_size", 0))
+
     async def _leave(self) -> None:
         try:
             await self.redis.delete(self.names.worker(self.cfg.consumer))
+            await self.accounting.leave()
             # Deleting a consumer drops its pending entries: only leave when Redis says it holds none
             # (an entry delivered just as reading stopped is reclaimed by another worker instead),
             # checked and done in one script so nothing is handed to us in between.
-            for stream in self.names.request_streams:
+            for stream in self.streams.names_read:
                 await self._leave_group(keys=[stream], args=[self.names.group, self.cfg.consumer])
         except (*TRANSIENT, ResponseError) as e:
             log.warning("worker %s: could not deregister (%s)", self.cfg.consumer, e)

@@ -33,7 +33,9 @@ class Delivery:
     entry_id: str
     fields: Any
     deliveries: int
-    stream: str = ""  # the request stream it was read from (one of Names.request_streams)
+    stream: str = ""  # the request stream it was read from
+    charged_to: str = ""  # the tenant's service field charged when it was taken (streams.py)
+    charged: float = 0.0
     job: Job | None = None
     error: ProtocolError | None = None  # could not be decoded or validated
     ours: bool = False  # the request id belongs to this entry (not a duplicate)
@@ -61,6 +63,8 @@ class RunningJob:
     stream: str = ""  # the request stream holding the entry
     epoch: int = 0  # ownership epoch: Redis refuses our writes once another worker claims the job
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    tokens: int = 0  # prompt and generated tokens, once it finished (its tenant's real charge)
+    answer: str | None = None  # the first sample's whole text, once it finished
 
 
 class WorkerState:

@@ -1,0 +1,238 @@
+"""Where a job waits: its lane and tenant queue, or a worker's own stream (docs/scheduling.md).
+
+A job goes to one worker's stream only when that worker is the better place for it and has room:
+it served the job's session a moment ago (its KV is there), or its prefix cache holds a long
+enough prefix of the job's prompt. Everything else waits in the shared lanes, which every worker
+reads (the most urgent lane first), so an idle worker always finds work.
+
+Prefixes are matched on text, not token ids: a submitter (any client, in any language) cuts the
+job's input into segments — each chat message (and the tool definitions) as canonical JSON, a plain
+prompt in 256-character chunks, token ids in 64-id chunks — and chains their hashes. Workers keep
+the chains of what they served (workers/worker/prefixes.py) and advertise them as a Redis set; the
+router asks each live worker's set, in one pipelined round trip, how much of the job's chain it holds.
+So no client needs the tokenizer, and the same conversation gives the same hashes in every language.
+
+The decision (`choose`) is a pure function of the workers' advertised state, shared by the real
+router and by the many-worker simulation (bench/routing_sim.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from clients.chat_messages import parse_messages
+from clients.heartbeats import live_script, live_worker_stats
+from clients.names import Names
+
+TEXT_CHUNK_CHARS = 256
+TOKEN_CHUNK_IDS = 64
+CHARS_PER_TOKEN = 4  # the weight of text in tokens, for comparing matches
+MAX_SEGMENTS = 64  # hashes sent per routed job (longer prompts are matched on their first part)
+POLICIES = ("cache_load", "cache", "least_loaded", "random", "shared")
+# Outcomes counted by the gateway's metrics and shown by `streamer top`.
+OUTCOMES = ("session", "hit", "miss", "fallback", "shared")
+
+
+@dataclass(frozen=True)
+class Segment:
+    digest: str  # chained: covers every segment up to this one
+    tokens: int  # tokens of the prefix up to and including this segment (estimated for text)
+
+
+def _chain(pieces: list[tuple[str, int]]) -> list[Segment]:
+    out: list[Segment] = []
+    prev, total = b"", 0
+    for text, tokens in pieces[:MAX_SEGMENTS]:
+        prev = hashlib.blake2b(prev + text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+        total += tokens
+        out.append(Segment(prev.hex(), total))
+    return out
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def _text_pieces(text: str) -> list[tuple[str, int]]:
+    # Only whole chunks: a partial last chunk is the part of a prompt no other prompt shares.
+    n = len(text) // TEXT_CHUNK_CHARS
+    return [(text[i * TEXT_CHUNK_CHARS:(i + 1) * TEXT_CHUNK_CHARS], TEXT_CHUNK_CHARS // CHARS_PER_TOKEN)
+            for i in range(min(n, MAX_SEGMENTS))]
+
+
+def _refused(message: str, code: str = "invalid_request") -> ValueError:
+    return ValueError(message)
+
+
+def _as_rendered(messages: list[Any]) -> list[Any]:
+    """Messages as the worker hands them to the chat template (text parts joined, tool-call arguments
+    as objects), so that a submitter and the worker serving the job hash the same text."""
+    try:
+        return parse_messages(messages, max(1, len(messages)), _refused)
+    except (ValueError, TypeError, AttributeError):  # not a valid job: the worker refuses it anyway
+        return messages
+
+
+def prefix_chain(job: dict[str, Any]) -> list[Segment]:
+    """The chained hashes of a job's input, segment by segment (see the module's docstring)."""
+    if isinstance(job.get("messages"), list):
+        pieces = [(_canonical(job["tools"]), len(_canonical(job["tools"])) // CHARS_PER_TOKEN)] \
+            if job.get("tools") else []
+        for message in _as_rendered(job["messages"]):
+            text = _canonical(message)
+            pieces.append((text, max(1, len(text) // CHARS_PER_TOKEN)))
+        return _chain(pieces)
+    if job.get("prompt_token_ids") is not None:
+        ids = job["prompt_token_ids"]
+        return _chain([(",".join(map(str, ids[i:i + TOKEN_CHUNK_IDS])), TOKEN_CHUNK_IDS)
+                       for i in range(0, len(ids) - TOKEN_CHUNK_IDS + 1, TOKEN_CHUNK_IDS)])
+    if isinstance(job.get("prompt"), str):
+        return _chain(_text_pieces(job["prompt"]))
+    return []
+
+
+def answer_chain(job: dict[str, Any], answer: str) -> list[Segment]:
+    """A chat job's chain extended by its answer as the assistant message a client sends back on the
+    next turn: the worker's cache holds the answer's KV as well."""
+    if job.get("messages") is None:
+        return []
+    return prefix_chain({**job, "messages": [*job["messages"], {"role": "assistant", "content": answer}]})
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """What the router knows of one live worker."""
+
+    name: str
+    load: float  # jobs held / the most it runs at once (above 1: it queues)
+    matched: int = 0  # tokens of the job's prefix its cache holds
+
+
+@dataclass(frozen=True)
+class Decision:
+    worker: str | None  # None: the shared lanes
+    outcome: str  # one of OUTCOMES
+
+
+def matched_tokens(chain: list[Segment], held: list[Any]) -> int:
+    """Tokens of the longest prefix of `chain` a worker holds (`held`: SMISMEMBER's 0/1 per segment)."""
+    tokens = 0
+    for segment, present in zip(chain, held, strict=False):
+        if not int(present):
+            break
+        tokens = segment.tokens
+    return tokens
+
+
+def choose(policy: str, views: list[WorkerView], session_owner: str | None = None, *,
+           min_match_tokens: int = 64, max_load: float = 1.0, rng: random.Random | None = None) -> Decision:
+    """Where one job goes. `cache_load`: the session's worker while it has room, else the worker with
+    the most matched tokens discounted by its load (matched × (1 - load)), if that is a long enough
+    prefix; otherwise the shared lanes. `cache`: the longest match, load ignored. `least_loaded` and
+    `random` route every job to a worker (baselines for the simulation); `shared` never routes."""
+    if policy == "shared" or not views:
+        return Decision(None, "shared")
+    if policy == "random":
+        return Decision((rng or random).choice(views).name, "shared")
+    if policy == "least_loaded":
+        return Decision(min(views, key=lambda v: (v.load, v.name)).name, "shared")
+    if policy == "cache":
+        best = max(views, key=lambda v: (v.matched, -v.load))
+        return Decision(best.name, "hit") if best.matched >= min_match_tokens else Decision(None, "miss")
+    roomy = [v for v in views if v.load < max_load]
+    if session_owner is not None and any(v.name == session_owner for v in views):
+        return Decision(session_owner, "session") if any(v.name == session_owner for v in roomy) \
+            else Decision(None, "fallback")
+    best = max(roomy, key=lambda v: (v.matched * (1 - v.load), v.matched), default=None)
+    if best is not None and best.matched >= min_match_tokens:
+        return Decision(best.name, "hit")
+    if any(v.matched >= min_match_tokens for v in views):
+        return Decision(None, "fallback")  # the workers holding it are full: anyone may take it
+    return Decision(None, "miss")
+
+
+@dataclass(frozen=True)
+class Route:
+    stream: str
+    rank: int | None  # the lane's rank in the stream registry; None: a worker's own stream
+    outcome: str
+    worker: str | None = None
+
+
+def lane_route(names: Names, job: dict[str, Any], outcome: str = "shared") -> Route:
+    """The shared lane (and the tenant's queue in it) a job of this priority waits in."""
+    if names.shards > 1:  # sharded streams: spread by id, no lanes (Names refuses lanes then)
+        return Route(names.stream_for(job["id"]), None, outcome)
+    lane, rank = names.lane_for(int(job.get("priority") or 0))
+    return Route(names.tenant_stream(lane, job.get("tenant") or ""), rank, outcome)
+
+
+class Router:
+    """Routes jobs for one submitter (the gateway, an AsyncClient). Worker loads are read from their
+    heartbeat hashes at most every `refresh_s`, and each job routed since counts against its worker,
+    so a burst does not all land on the one worker that looked idle."""
+
+    def __init__(self, redis: Any, names: Names, policy: str = "cache_load", *, min_match_tokens: int = 64,
+                 refresh_s: float = 0.5) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}")
+        self.redis, self.names, self.policy = redis, names, policy
+        self.min_match_tokens, self.refresh_s = min_match_tokens, refresh_s
+        self._loads: dict[str, float] = {}
+        self._capacity: dict[str, int] = {}
+        self._read_at = float("-inf")
+        self._live = live_script(redis)
+        self.outcomes = dict.fromkeys(OUTCOMES, 0)
+
+    async def route(self, job: dict[str, Any]) -> Route:
+        route = await self._route(job)
+        self.outcomes[route.outcome] += 1
+        return route
+
+    async def _route(self, job: dict[str, Any]) -> Route:
+        if self.policy == "shared" or self.names.shards > 1:
+            return lane_route(self.names, job)
+        await self._refresh()
+        if len(self._loads) < 2:  # one worker (or none): the shared lane is as good and simpler
+            return lane_route(self.names, job)
+        chain, session = prefix_chain(job), job.get("session") or None
+        views, owner = await self._views(chain, session)
+        decision = choose(self.policy, views, owner, min_match_tokens=self.min_match_tokens)
+        if decision.worker is None:
+            return lane_route(self.names, job, decision.outcome)
+        self._loads[decision.worker] += 1 / max(1, self._capacity[decision.worker])
+        return Route(self.names.worker_requests(decision.worker), None, decision.outcome, decision.worker)
+
+    async def _views(self, chain: list[Segment], session: str | None) -> tuple[list[WorkerView], str | None]:
+        workers = sorted(self._loads)
+        digests = [s.digest for s in chain]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            if session:
+                pipe.get(self.names.session(session))
+            for name in workers if digests else []:
+                pipe.smismember(self.names.worker_prefixes(name), digests)
+            replies = await pipe.execute(raise_on_error=False)
+        owner = _text(replies.pop(0)) if session else None
+        held = replies if digests else [[] for _ in workers]
+        views = [WorkerView(name, self._loads[name], matched_tokens(chain, h) if isinstance(h, list) else 0)
+                 for name, h in zip(workers, held, strict=True)]
+        return views, owner
+
+    async def _refresh(self) -> None:
+        if time.monotonic() - self._read_at < self.refresh_s:
+            return
+        stats = await live_worker_stats(self.redis, self.names, self._live)
+        self._capacity = {w["name"]: max(1, int(w.get("max_num_seqs") or 1)) for w in stats}
+        self._loads = {w["name"]: int(w.get("jobs") or 0) / self._capacity[w["name"]] for w in stats}
+        self._read_at = time.monotonic()
+
+
+def _text(value: Any) -> str | None:
+    if value is None or isinstance(value, Exception):
+        return None
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
