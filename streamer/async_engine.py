@@ -37,6 +37,7 @@ class AddCommand:
     resume_token_ids: list[list[int]] | None
     stream: asyncio.Queue[RequestOutput | BaseException]  # where its outputs go
     accepted: asyncio.Future[None]  # settled once the engine took or refused it
+    session: str | None = None
 
 
 @dataclass
@@ -92,9 +93,11 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     async def generate(self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0,
-                       resume_token_ids: list[list[int]] | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       resume_token_ids: list[list[int]] | None = None, session: str | None = None
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """Deltas of one request; raises ValueError/QueueFullError before the first if rejected.
-        Leaving the loop early (break, cancellation) aborts the request."""
+        Leaving the loop early (break, cancellation) aborts the request. Calls of a `session`
+        queue behind calls of sessions that have had less service (LLMEngine.add_request)."""
         if self._error is not None:
             raise EngineDeadError(f"engine stopped after an error: {self._error}")
         await self.start()
@@ -105,7 +108,7 @@ class AsyncEngine:
         accepted: asyncio.Future[None] = self._loop.create_future()
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._pending_adds += 1
-        self._send(AddCommand(request_id, prompt, params, priority, resume_token_ids, stream, accepted))
+        self._send(AddCommand(request_id, prompt, params, priority, resume_token_ids, stream, accepted, session))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -198,7 +201,7 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.add_request(command.request_id, command.prompt, command.params, command.priority,
-                                        command.resume_token_ids)
+                                        command.resume_token_ids, command.session)
             except Exception as exc:  # rejected: hand the reason to the caller
                 self._call(_settle, command.accepted, exc)
                 continue

@@ -82,7 +82,9 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict[str, Any] | TokenizedPrompt,
                     params: SamplingParams, priority: int = 0,
-                    resume_token_ids: list[list[int]] | None = None) -> None:
+                    resume_token_ids: list[list[int]] | None = None, session: str | None = None) -> None:
+        """Queue a request. Its `session` (a conversation or an agent) is ranked in the waiting
+        queue by the service the session has had so far: fresh sessions go ahead of heavy ones."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         if request_id in self.scheduler.requests:
@@ -99,7 +101,8 @@ class LLMEngine:
         if outside:  # they index the logits: refused here, not in the middle of a step
             raise ValueError(f"stop token id {outside[0]} is outside the vocabulary [0, {vocab})")
         seqs = [Sequence(request_id=request_id, index=i, token_ids=tokens + list(resume[i] if i < len(resume) else []),
-                         num_prompt_tokens=len(tokens), params=params, priority=priority) for i in range(params.n)]
+                         num_prompt_tokens=len(tokens), params=params, priority=priority, session=session)
+                for i in range(params.n)]
         if params.structured_outputs is not None:
             self._constrain(seqs, params.structured_outputs)
         request = Request(request_id, tokens, params, seqs, text)

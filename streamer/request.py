@@ -44,6 +44,7 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     priority: int = 0
+    session: str | None = None  # the conversation or agent it belongs to: its attained service ranks it
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     num_computed_tokens: int = 0
     status: SeqStatus = SeqStatus.WAITING
@@ -70,7 +71,8 @@ class Sequence:
     def sibling(self) -> Sequence:
         """A new sequence of the same request holding the same tokens (nothing computed)."""
         return Sequence(request_id=self.request_id, index=self.index, token_ids=list(self.token_ids),
-                        num_prompt_tokens=self.num_prompt_tokens, params=self.params, priority=self.priority)
+                        num_prompt_tokens=self.num_prompt_tokens, params=self.params, priority=self.priority,
+                        session=self.session)
 
 
 @dataclass(eq=False)

@@ -3,7 +3,10 @@
 Every sequence has `num_computed_tokens`; each step hands out a token budget so that sequences
 catch up with their tokens. Decodes (1 token) and prefills (many, chunked when the budget is
 short) of different requests share a step. When blocks run out, the most recently admitted
-running sequence is preempted: its blocks are freed and it is recomputed later.
+running sequence is preempted: its blocks are freed and it is recomputed later. A waiting
+sequence of a more urgent priority that finds no seat or no blocks preempts running ones of the
+least urgent priority (never of its own or a more urgent one). The waiting queue orders by
+priority, then by the service the request's session has already had (waiting_queue.py).
 
 One step is `schedule() -> SchedulerOutput`, the model, then `update_from_output(...)`: it
 advances computed tokens, caches full blocks, forks samples, appends the sampled tokens, checks
@@ -12,6 +15,8 @@ the token rules of stopping and finishes sequences. Nothing else moves a sequenc
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +29,7 @@ from streamer.request import Request, SeqStatus, Sequence
 from streamer.scheduler_output import EngineCoreOutputs, ScheduledSeq, SchedulerOutput, SeqUpdate
 from streamer.scheduler_stats import SchedulerStats
 from streamer.stop_checker import finish_reason_after
-from streamer.waiting_queue import WaitingQueue
+from streamer.waiting_queue import AttainedService, WaitingQueue
 
 if TYPE_CHECKING:
     from streamer.sampler import SamplerOutput
@@ -41,14 +46,17 @@ class SchedulerConfig:
     max_waiting_requests: int = 4096
     max_waiting_tokens: int | None = None  # None = no bound on queued tokens
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    max_sessions: int = 4096  # sessions whose attained service is remembered (least recently served dropped)
+    max_wait_rank_s: float | None = 30.0  # after this long waiting, a heavy session's call ranks as a fresh one
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.beams = Beams(config.eos_token_ids)
-        self.waiting = WaitingQueue()
+        self.service = AttainedService(config.max_sessions, unit=config.block_size)
+        self.waiting = WaitingQueue(self.service, config.max_wait_rank_s, clock)
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.requests: dict[str, Request] = {}
         self.counters = SchedulerStats()
@@ -112,8 +120,11 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.waiting.promote_aged()
+        self._preempt_for_priority(out)
+        num_priority_victims = len(out.preempted)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted:
+        if len(out.preempted) == num_priority_victims:  # blocks ran short: admit nobody this step
             self._schedule_waiting(out, budget)
         if not out.scheduled:
             self._park_idle(out, budget)
@@ -172,6 +183,57 @@ class Scheduler:
         for entry in held:
             self.waiting.push_entry(entry)
 
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """The waiting head is more urgent than some running sequences and finds no seat or no
+        blocks: preempt the fewest of the least urgent (the latest admitted first among equals)
+        that make room for it, before the running ones take this step's blocks. None at all when
+        even every candidate would not make room: they would be recomputed for nothing."""
+        if not len(self.waiting):
+            return
+        head = self.waiting.peek()
+        candidates = self._priority_candidates(head.priority)
+        if not candidates:  # the common case (one priority): no need to weigh room
+            return
+        victims: list[Sequence] = []
+        while not self._room_for(head, victims):
+            if len(victims) == len(candidates):
+                return
+            victims.append(candidates[len(victims)])
+        for victim in victims:
+            self.running.remove(victim)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            self.counters.num_priority_preemptions += 1
+
+    def _priority_candidates(self, priority: int) -> list[Sequence]:
+        """Running sequences strictly less urgent than `priority`, in the order to preempt them.
+        Beams are left alone: a beam step needs every beam of its request, and parking one for
+        a stranger would stall its siblings."""
+        ranked = [(s.priority, i, s) for i, s in enumerate(self.running)
+                  if s.priority > priority and not s.params.use_beam_search]
+        return [s for _, _, s in sorted(ranked, key=lambda r: (r[0], r[1]), reverse=True)]
+
+    def _room_for(self, head: Sequence, victims: list[Sequence]) -> bool:
+        """Whether, without `victims`, seats and blocks (not the token budget, which frees itself
+        as prompts finish) let `head` be admitted this step after the running sequences' share.
+        Blocks shared with others count as staying: an estimate that errs towards fewer victims."""
+        c, bm = self.config, self.block_manager
+        if len(self.running) - len(victims) >= c.max_num_seqs:
+            return False
+        gone = {v.seq_id for v in victims}
+        budget, needed = c.max_num_batched_tokens, 0
+        for seq in self.running:  # as _schedule_running will hand out tokens
+            if seq.seq_id not in gone and budget > 0:
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                needed += bm.blocks_needed(seq, num_new) if num_new else 0
+                budget -= num_new
+        hit = bm.find_cached_prefix(head)
+        if budget <= 0 or hit.pending:  # it waits for the budget or for a prefix, not for room
+            return True
+        needed += bm.blocks_needed(head, min(head.num_tokens - hit.num_tokens, budget), hit)
+        freed = sum(1 for v in victims for b in bm.block_table(v) if bm.blocks[b].ref_count == 1)
+        return needed <= bm.num_free_blocks + freed
+
     def _park_idle(self, out: SchedulerOutput, budget: int) -> None:
         """Nothing could run: every running sequence is a beam that already has its next-token
         log-probs and waits for sibling beams that need the blocks it holds. Evict such beams
@@ -203,6 +265,7 @@ class Scheduler:
         """Advance the step's sequences by what the model computed and sampled."""
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
+            self.service.add(item.seq.session, item.num_new_tokens)
             self.block_manager.cache_full_blocks(item.seq)
             for child in item.forks:  # parallel samples start from the computed prompt's blocks
                 self.block_manager.fork(item.seq, child)
@@ -311,5 +374,6 @@ class Scheduler:
             "kv_blocks_used": bm.num_used_blocks,
             "kv_blocks_free": bm.num_free_blocks,
             "kv_utilization": bm.utilization(self.running),
+            "num_sessions": len(self.service),
             **self.counters.as_dict(),
         }

@@ -18,6 +18,7 @@ class SchedulerStats:
     num_mixed_steps: int = 0  # steps mixing prefill and decode work
     num_partial_prefills: int = 0  # prompt chunks cut short by the token budget
     num_preemptions: int = 0
+    num_priority_preemptions: int = 0  # of those, made for a more urgent waiting sequence
     prefix_cache_hit_tokens: int = 0
     prefix_cache_query_tokens: int = 0
 

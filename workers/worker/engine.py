@@ -13,9 +13,11 @@ from streamer.prompts import TokenizedPrompt
 
 class Engine(Protocol):
     def generate(self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0,
-                 resume_token_ids: list[list[int]] | None = None) -> AsyncGenerator[RequestOutput, None]:
+                 resume_token_ids: list[list[int]] | None = None, session: str | None = None
+                 ) -> AsyncGenerator[RequestOutput, None]:
         """Deltas of one request; raises ValueError / QueueFullError before the first if rejected.
-        Closing the generator early aborts the request."""
+        Closing the generator early aborts the request. Calls of one `session` (a conversation,
+        an agent) queue behind sessions that have had less service so far."""
         ...
 
     def abort(self, request_id: str) -> None: ...
