@@ -193,6 +193,7 @@ class LLMEngine:
         return {
             **self.scheduler.stats(),
             "block_size": self.config.block_size,
+            "max_num_seqs": self.config.max_num_seqs,
             "max_model_len": self.max_model_len,
             "device": str(self.device),
             "dtype": str(self.model_config.dtype).replace("torch.", ""),

@@ -23,6 +23,7 @@ from typing import Any
 
 from clients.heartbeats import MAX_LISTED
 from clients.protocol import Names
+from clients.streams import parse_registry
 
 # The heartbeat field holding the worker's cumulative count of generated tokens (tokens/s is its rate).
 TOKENS_FIELD = "generation_tokens"
@@ -114,9 +115,19 @@ class Gatherer:
         self.client, self.names, self.label, self.slow_steps = client, names, redis_label, slow_steps
         self.rates = Rates()
         self._known: list[str] = []  # the heartbeat set's members at the previous refresh
+        self._streams: list[str] = list(names.request_streams)  # as of the previous refresh
+        self._own: set[str] = set()  # of those, the workers' own streams
+
+    def _learn_streams(self, registry: list[Any], owners: list[Any]) -> None:
+        own = [self.names.worker_requests(_text(w)) for w in owners]
+        self._streams = [i.stream for i in parse_registry(self.names, registry)] + own
+        self._own = set(own)
 
     def snapshot(self) -> dict[str, Any]:
-        names, streams, known = self.names, self.names.request_streams, list(self._known)
+        names, known = self.names, list(self._known)
+        # The lanes, tenants' queues and workers' own streams (docs/scheduling.md) as of the previous
+        # refresh: read again in this round trip, so one round trip per refresh still does.
+        streams, own = self._streams, self._own
         pipe = self.client.pipeline(transaction=False)
         pipe.zrevrange(names.heartbeats, 0, MAX_LISTED - 1)
         for stream in streams:
@@ -126,11 +137,16 @@ class Gatherer:
         pipe.xrevrange(names.traces, count=self.slow_steps)
         for worker in known:
             pipe.hgetall(names.worker(worker))
-        replies = pipe.execute(raise_on_error=False)
+        pipe.zrange(names.streams, 0, -1, withscores=True)
+        pipe.zrange(names.worker_streams, 0, -1)
+        *replies, registry, owners = pipe.execute(raise_on_error=False)
+        self._learn_streams(_check(registry), _check(owners))
         members = [_text(m) for m in _check(replies[0])]
         at = 1 + 2 * len(streams)
         stream_rows = [{"name": stream, "length": _check(replies[1 + 2 * i]),
                         "groups": group_rows(replies[2 + 2 * i])} for i, stream in enumerate(streams)]
+        # A worker's own stream is shown while it holds jobs: 64 idle ones would bury the lanes.
+        stream_rows = [row for row in stream_rows if row["name"] not in own or row["length"]]
         hashes = {w: _hash(h) for w, h in zip(known, replies[at + 2:], strict=True)}
         hashes.update(self._hashes([m for m in members if m not in hashes]))
         self._known = members
