@@ -1,7 +1,7 @@
-"""The parts of a job for chat and constrained output: `messages` and `tools`, checked and put in the
-shape chat templates take, and the JSON schemas (and tool-call arguments) that may nest deeper than
-the rest of a job (part of the job schema, clients/protocol.py). `bad(message)` builds the caller's
-error."""
+"""The parts of a job for chat and constrained output: `messages`, `tools` and `tool_choice`, checked
+and put in the shape chat templates take, and the JSON schemas (and tool-call arguments) that may
+nest deeper than the rest of a job (part of the job schema, clients/protocol.py). `bad(message)`
+builds the caller's error."""
 
 from __future__ import annotations
 
@@ -99,3 +99,50 @@ def parse_tools(tools: Any, bad: Any) -> list[dict[str, Any]]:
             raise bad('each tool must be {"type": "function", "function": {"name": string, "description": '
                       'string, "parameters": JSON Schema}}')
     return tools
+
+
+TOOL_CHOICES = ("auto", "none", "required")
+
+
+def parse_tool_choice(choice: Any, tools: list[dict[str, Any]] | None, params: dict[str, Any],
+                      bad: Any) -> str | dict[str, Any]:
+    """`"auto" | "none" | "required" | {"type": "function", "function": {"name": N}}`, as OpenAI's API
+    takes it; `required` and a named function constrain the output (so they cannot come with another
+    constraint, params.structured_outputs)."""
+    if tools is None:
+        raise bad("`tool_choice` needs `tools`")
+    mode = choice if choice in TOOL_CHOICES else "function"
+    if mode == "function":
+        name = _named_function(choice)
+        if name is None:
+            raise bad('`tool_choice` must be "auto", "none", "required" or {"type": "function", "function": '
+                      '{"name": string}}')
+        if name not in {t["function"]["name"] for t in tools}:
+            raise bad(f"`tool_choice` names the function {name!r}, which is not in `tools`")
+    if mode == "required" and not tools:
+        raise bad('`tool_choice` "required" needs at least one tool in `tools`')
+    if mode in ("required", "function") and params.get("structured_outputs") is not None:
+        what = '"required"' if mode == "required" else "naming a function"
+        raise bad(f"`tool_choice` {what} constrains the output itself: it cannot be combined with "
+                  "params.structured_outputs", "invalid_params")
+    return choice
+
+
+def _named_function(choice: Any) -> str | None:
+    if not isinstance(choice, dict) or set(choice) != {"type", "function"} or choice["type"] != "function":
+        return None
+    fn = choice["function"]
+    ok = isinstance(fn, dict) and set(fn) == {"name"} and isinstance(fn["name"], str)
+    return fn["name"] if ok else None
+
+
+def merge_tool_call_deltas(calls: list[dict[str, Any]], deltas: list[dict[str, Any]]) -> None:
+    """Fold an event's `tool_calls` deltas into a sample's whole calls (OpenAI's message shape:
+    `{"id", "type": "function", "function": {"name", "arguments"}}`, arguments as JSON text)."""
+    for delta in deltas:
+        fn = delta.get("function", {})
+        if "id" in delta:
+            calls.append({"id": delta["id"], "type": "function",
+                          "function": {"name": fn.get("name", ""), "arguments": fn.get("arguments", "")}})
+        elif 0 <= delta.get("index", -1) < len(calls):
+            calls[delta["index"]]["function"]["arguments"] += fn.get("arguments", "")

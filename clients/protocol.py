@@ -15,15 +15,15 @@ from typing import Any
 
 import msgpack
 
-from clients.chat_messages import SPEC_MAX_DEPTH, parse_messages, parse_tools, split_schemas
+from clients.chat_messages import SPEC_MAX_DEPTH, parse_messages, parse_tool_choice, parse_tools, split_schemas
 from clients.errors import ProtocolError
 from clients.names import Names  # noqa: F401  (re-exported: the protocol's names)
 
 VERSION = 1
 ENCODINGS = ("json", "msgpack")
 JOB_FIELDS = frozenset(
-    {"v", "id", "prompt", "prompt_token_ids", "messages", "tools", "params", "priority", "deadline", "tenant",
-     "session"}
+    {"v", "id", "prompt", "prompt_token_ids", "messages", "tools", "tool_choice", "params", "priority", "deadline",
+     "tenant", "session"}
 )
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
 # Ids become part of Redis key names and log lines: keep them printable and short.
@@ -51,6 +51,7 @@ class Job:
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None  # function definitions, for the chat template
+    tool_choice: str | dict[str, Any] | None = None  # "auto" (None with tools), "none", "required" or a function
     params: dict[str, Any] = field(default_factory=dict)
     priority: int = 0
     deadline: int | None = None  # unix ms
@@ -269,6 +270,8 @@ def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
     if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
         raise bad("`params` must be a map from field name to value", "invalid_params")
     job.params = params
+    if obj.get("tool_choice") is not None:
+        job.tool_choice = parse_tool_choice(obj["tool_choice"], job.tools, params, bad)
     if "priority" in obj:
         if not _is_int(obj["priority"]) or abs(obj["priority"]) > 2**31:
             raise bad("`priority` must be an integer from -2**31 to 2**31")
@@ -316,9 +319,12 @@ def encode_job(job: dict[str, Any], encoding: str = "json") -> dict[str, bytes]:
 
 def token_event(request_id: str, seq: int, index: int, token_ids: list[int], text: str,
                 logprobs: list[dict[int, float]] | None = None,
-                logprob_texts: list[list[str]] | None = None) -> dict[str, Any]:
+                logprob_texts: list[list[str]] | None = None,
+                tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     event = {"v": VERSION, "id": request_id, "seq": seq, "type": "token", "index": index,
              "token_ids": token_ids, "text": text}
+    if tool_calls:  # OpenAI-style deltas of the sample's tool calls (docs/protocol.md)
+        event["tool_calls"] = tool_calls
     if logprobs is not None:
         # Per token, [token id, log-prob] pairs: JSON object keys could not stay integers.
         event["logprobs"] = [[[int(t), float(lp)] for t, lp in step.items()] for step in logprobs]

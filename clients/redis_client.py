@@ -21,6 +21,7 @@ from redis.asyncio import Redis, RedisCluster
 from redis.exceptions import ResponseError
 
 from clients.backoff import TRANSIENT, Backoff, retry
+from clients.chat_messages import merge_tool_call_deltas
 from clients.errors import NoWorker, RequestFailed, UnknownRequest, redact_url
 from clients.heartbeats import as_names, live_args, live_script
 from clients.progress import JobStatus, Placement, job_statuses
@@ -110,6 +111,7 @@ class Generation:
     finish_reasons: list[str] = field(default_factory=list)
     usage: dict[str, int] = field(default_factory=dict)
     events: int = 0
+    tool_calls: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # per sample, OpenAI's shape
 
     @property
     def text(self) -> str:
@@ -122,6 +124,8 @@ class Generation:
         k = int(event.get("index", 0))
         self.token_ids.setdefault(k, []).extend(event.get("token_ids", []))
         self.texts[k] = self.texts.get(k, "") + event.get("text", "")
+        if event.get("tool_calls"):
+            merge_tool_call_deltas(self.tool_calls.setdefault(k, []), event["tool_calls"])
         if event["type"] == "done":
             self.finish_reason = event.get("finish_reason")
             self.finish_reasons = list(event.get("finish_reasons", [self.finish_reason]))
@@ -131,7 +135,8 @@ class Generation:
 def build_job(request_id: str, prompt: str | None, messages: list[dict[str, Any]] | None,
               prompt_token_ids: list[int] | None, params: dict[str, Any] | None,
               priority: int | None, deadline: int | None, tools: list[dict[str, Any]] | None = None,
-              session: str | None = None, tenant: str | None = None) -> dict[str, Any]:
+              session: str | None = None, tenant: str | None = None,
+              tool_choice: str | dict[str, Any] | None = None) -> dict[str, Any]:
     job: dict[str, Any] = {"id": request_id, "params": dict(params or {})}
     given = {"prompt": prompt, "messages": messages, "prompt_token_ids": prompt_token_ids}
     given = {k: v for k, v in given.items() if v is not None}
@@ -144,6 +149,8 @@ def build_job(request_id: str, prompt: str | None, messages: list[dict[str, Any]
         job["deadline"] = deadline
     if tools is not None:
         job["tools"] = tools
+    if tool_choice is not None:
+        job["tool_choice"] = tool_choice
     if session is not None:
         job["session"] = session
     if tenant is not None:
@@ -183,14 +190,16 @@ class AsyncClient:
                      prompt_token_ids: list[int] | None = None, params: dict[str, Any] | None = None,
                      id: str | None = None, priority: int | None = None, deadline: int | None = None,
                      tools: list[dict[str, Any]] | None = None, session: str | None = None,
-                     tenant: str | None = None) -> str:
+                     tenant: str | None = None, tool_choice: str | dict[str, Any] | None = None) -> str:
         """Push a job; returns its id (a fresh UUID unless given). `tools`: function definitions the
-        chat template renders (with `messages`). `session`: calls of one conversation or agent share
-        it (they go to the worker holding its KV, and light sessions overtake heavy ones). `tenant`:
-        whose share the job counts against (a gateway sets it from the API key)."""
+        chat template renders (with `messages`); `tool_choice`: "auto" (the default with tools),
+        "none", "required" or {"type": "function", "function": {"name": ...}}
+        (docs/structured_outputs.md). `session`: calls of one conversation or agent share it (they go
+        to the worker holding its KV, and light sessions overtake heavy ones). `tenant`: whose share
+        the job counts against (a gateway sets it from the API key)."""
         request_id = id or uuid.uuid4().hex
         job = build_job(request_id, prompt, messages, prompt_token_ids, params, priority, deadline, tools,
-                        session, tenant)
+                        session, tenant, tool_choice)
         ((field_name, payload),) = encode_job(job, self.encoding).items()
         route = await retry("route", log, lambda: self.router.route(job), self.retry_s)
         # Safe to retry: if a lost reply hides a first XADD that worked, the second copy carries the

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamer.config import EngineConfig
+from streamer.detokenizer import IncrementalDetokenizer
 from streamer.errors import EngineDeadError
 from streamer.llm_engine import LLMEngine
 from streamer.outputs import PromptProgress, RequestOutput, StepRecord
@@ -166,6 +167,25 @@ class AsyncEngine:
         await self.start()
         assert self._loop is not None
         return await self._loop.run_in_executor(self._tokenizing, self._prompts.chat, messages, tools)
+
+    def chat_template(self) -> Any:
+        """The checkpoint's chat template (a string, a dict of named ones, or None): what tells which
+        format its tool calls come in (streamer/tool_parsers.py)."""
+        return getattr(self.engine.tokenizer, "chat_template", None)
+
+    async def output_text(self, prompt_token_ids: list[int], token_ids: list[int], params: SamplingParams) -> str:
+        """The text this engine streams for `token_ids` sampled after that prompt: what a resumed request
+        already sent, decoded as its detokenizer replays it (OutputProcessor.add_request)."""
+        await self.start()
+        assert self._loop is not None
+        return await self._loop.run_in_executor(self._tokenizing, self._output_text, prompt_token_ids, token_ids,
+                                                params)
+
+    def _output_text(self, prompt_token_ids: list[int], token_ids: list[int], params: SamplingParams) -> str:
+        detok = IncrementalDetokenizer(self._prompts.tokenizer.backend_tokenizer, prompt_token_ids, params)
+        for t in token_ids:
+            detok.append(t, check_stop=False)
+        return detok.text
 
     def _send(self, command: AddCommand | AbortCommand) -> None:
         self._commands.put(command)

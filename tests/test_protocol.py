@@ -245,7 +245,13 @@ def test_pubsub_messages_and_event_entries_decode_in_either_encoding(encoding):
     assert decode_event({encoding.encode(): raw}) == decode_message(raw)
 
 
-ALLOWED = "['deadline', 'id', 'messages', 'params', 'priority', 'prompt', 'prompt_token_ids', 'session', 'tenant', 'tools', 'v']"
+ALLOWED = ("['deadline', 'id', 'messages', 'params', 'priority', 'prompt', 'prompt_token_ids', 'session', 'tenant', "
+           "'tool_choice', 'tools', 'v']")
+CHAT = [{"role": "user", "content": "x"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+NAMED_F = {"type": "function", "function": {"name": "f"}}
+TOOL_CHOICE_SHAPE = ('`tool_choice` must be "auto", "none", "required" or {"type": "function", "function": '
+                     '{"name": string}}')
 
 
 @pytest.mark.parametrize("obj, code, message", [
@@ -281,11 +287,40 @@ ALLOWED = "['deadline', 'id', 'messages', 'params', 'priority', 'prompt', 'promp
     ({"v": 1, "id": "x", "messages": [{"role": "u", "content": "x"}], "tools": [{"type": "fn"}]}, "invalid_request",
      'each tool must be {"type": "function", "function": {"name": string, "description": string, "parameters": '
      'JSON Schema}}'),
+    ({"v": 1, "id": "x", "messages": CHAT, "tool_choice": "auto"}, "invalid_request", "`tool_choice` needs `tools`"),
+    ({"v": 1, "id": "x", "messages": CHAT, "tools": TOOLS, "tool_choice": "always"}, "invalid_request",
+     TOOL_CHOICE_SHAPE),
+    ({"v": 1, "id": "x", "messages": CHAT, "tools": TOOLS, "tool_choice": {"type": "function", "name": "f"}},
+     "invalid_request", TOOL_CHOICE_SHAPE),
+    ({"v": 1, "id": "x", "messages": CHAT, "tools": TOOLS,
+      "tool_choice": {"type": "function", "function": {"name": "f", "x": 1}}}, "invalid_request", TOOL_CHOICE_SHAPE),
+    ({"v": 1, "id": "x", "messages": CHAT, "tools": TOOLS, "tool_choice": {**NAMED_F, "function": {"name": "g"}}},
+     "invalid_request", "`tool_choice` names the function 'g', which is not in `tools`"),
+    ({"v": 1, "id": "x", "messages": CHAT, "tools": [], "tool_choice": "required"}, "invalid_request",
+     '`tool_choice` "required" needs at least one tool in `tools`'),
+    ({"v": 1, "id": "x", "messages": CHAT, "tools": TOOLS, "tool_choice": "required",
+      "params": {"structured_outputs": {"regex": "a"}}}, "invalid_params",
+     '`tool_choice` "required" constrains the output itself: it cannot be combined with params.structured_outputs'),
+    ({"v": 1, "id": "x", "messages": CHAT, "tools": TOOLS, "tool_choice": NAMED_F,
+      "params": {"structured_outputs": {"regex": "a"}}}, "invalid_params",
+     "`tool_choice` naming a function constrains the output itself: it cannot be combined with "
+     "params.structured_outputs"),
 ])
 def test_a_rejected_job_says_exactly_what_is_wrong(obj, code, message):
     with pytest.raises(ProtocolError) as info:
         decode_job(job_fields(obj))
     assert (info.value.code, str(info.value)) == (code, message)
+
+
+@pytest.mark.parametrize("choice", ["auto", "none", "required", NAMED_F])
+def test_tool_choice_is_kept_as_given(choice):
+    job = decode_job(job_fields({"v": 1, "id": "x", "messages": CHAT, "tools": TOOLS, "tool_choice": choice}))
+    assert job.tool_choice == choice
+    # auto and none constrain nothing, so they may come with a constraint of the job's own
+    if choice in ("auto", "none"):
+        params = {"structured_outputs": {"regex": "a"}}
+        assert decode_job(job_fields({"v": 1, "id": "x", "messages": CHAT, "tools": TOOLS, "tool_choice": choice,
+                                      "params": params})).params == params
 
 
 @pytest.mark.parametrize("encoding", ["json", "msgpack"])

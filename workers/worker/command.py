@@ -20,6 +20,7 @@ import anyio
 
 from clients.protocol import Limits
 from streamer import EngineConfig
+from streamer.tool_parsers import FAMILIES
 from workers.arg_types import optional_port
 from workers.redis_options import add_pool_arguments, add_redis_arguments, check_redis, names_from_args
 from workers.worker.config import WorkerConfig
@@ -109,6 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--served-model-name", default=None,
                    help="the model's name in the OpenAI API (`model`, /v1/models); default: the checkpoint "
                         "directory's name")
+    w.add_argument("--tool-call-parser", default="auto", choices=["auto", *FAMILIES, "none"],
+                   help="how tool calls are read from outputs with tool_choice auto: hermes, llama3_json, none, "
+                        "or auto (default): the family the chat template writes (none when it is unknown)")
     w.add_argument("--metrics-port", type=optional_port, default=0,
                    help="serve Prometheus metrics (vLLM's names, and the queue's) on this port at /metrics "
                         "(0: off)")
@@ -125,7 +129,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
                         served_model_name=args.served_model_name or Path(args.model).name,
                         dead_payload_bytes=args.dead_payload_bytes, dead_max_age_s=args.dead_max_age,
                         dead_max_len=args.dead_max_len, consumer_idle_s=args.consumer_idle,
-                        metrics_port=args.metrics_port, metrics_host=args.metrics_host)
+                        metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                        tool_call_parser=args.tool_call_parser)
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -31,6 +31,9 @@ class WorkerConfig:
     read_linger_ms: float = 3.0  # after a partial read, wait this long for more of a burst
     model_name: str = ""
     served_model_name: str = ""  # the name OpenAI-API clients ask for (heartbeat `served_model_name`)
+    # How `tool_choice: auto` reads tool calls (streamer/tool_parsers.py): "auto" = the family the chat
+    # template shows, "hermes" / "llama3_json" = that one, "none" = never.
+    tool_call_parser: str = "auto"
     # Dead letters (answers.py): how much of a job's payload each keeps, and how long / how many are kept.
     dead_payload_bytes: int = 4096
     dead_max_age_s: float = 7 * 24 * 3600.0

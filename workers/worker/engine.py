@@ -34,6 +34,15 @@ class Engine(Protocol):
         (ValueError when it has none, or when the result is too long for the model)."""
         ...
 
+    def chat_template(self) -> Any:
+        """The checkpoint's chat template (a string, a dict of named ones, or None)."""
+        ...
+
+    async def output_text(self, prompt_token_ids: list[int], token_ids: list[int], params: SamplingParams) -> str:
+        """The text the engine streams for `token_ids` sampled after that prompt (what a resumed
+        request already sent)."""
+        ...
+
     def prompt_progress(self) -> dict[str, PromptProgress]:
         """Requests still computing their prompt (fresh to a fraction of a second), by id."""
         ...

@@ -26,6 +26,7 @@ from workers.worker.config import WorkerConfig
 from workers.worker.engine import Engine
 from workers.worker.metrics import WorkerMetrics
 from workers.worker.state import Delivery, RunningJob, WorkerState
+from workers.worker.tool_calls import ToolCalls, family, sampling_params
 
 log = logging.getLogger("streamer.worker")
 OutputStream = AsyncGenerator[RequestOutput, None]
@@ -38,6 +39,8 @@ class JobRunner:
                  attempts: Attempts, metrics: WorkerMetrics, accounting: Accounting) -> None:
         self.engine, self.cfg, self.state, self.answers, self.attempts = engine, config, state, answers, attempts
         self.metrics, self.accounting = metrics, accounting
+        self._family: str | None = None  # the checkpoint's tool-call format (tool_calls.py), once known
+        self._family_known = False
 
     async def run(self, d: Delivery) -> None:
         """The task of one delivery (intake started it after `WorkerState.job_read`)."""
@@ -93,7 +96,7 @@ class JobRunner:
         if d.suspect:
             log.warning("request %s: its worker died while it entered the engine; running it alone", job.id)
         try:
-            params = SamplingParams.from_dict(job.params)
+            params = SamplingParams.from_dict(sampling_params(job))  # with what tool_choice constrains
         except (TypeError, ValueError) as e:
             await self.answers.fail(run, "invalid_params", str(e))
             return run
@@ -115,6 +118,7 @@ class JobRunner:
         prompt = await self._prompt(run)
         if prompt is None:
             return
+        tools = await self._tool_calls(run.job, prompt, params, resume)
         await self.state.enter_engine(d.suspect)
         try:
             await self.attempts.record_start(run.job.id, run.epoch, run.next_seq, alone=d.suspect)
@@ -127,7 +131,7 @@ class JobRunner:
             self.accounting.started(run.job)
             stream, first = started
             try:
-                await self._relay(run, params, d.state, stream, first)
+                await self._relay(run, params, d.state, stream, first, tools)
             finally:
                 await stream.aclose()  # aborts the request in the engine unless it finished
 
@@ -143,6 +147,20 @@ class JobRunner:
         except ValueError as e:  # e.g. the checkpoint has no chat template
             await self.answers.fail(run, "invalid_request", str(e))
             return None
+
+    async def _tool_calls(self, job: Any, prompt: Any, params: SamplingParams,
+                          resume: list[list[int]] | None) -> ToolCalls | None:
+        """The parsers of a job whose output is read as tool calls; a resumed job's are brought to where
+        the text it already sent left them, so its stream goes on as it would have."""
+        if job.tools is None:
+            return None
+        if not self._family_known:
+            self._family, self._family_known = family(self.cfg.tool_call_parser, self.engine.chat_template()), True
+        tools = ToolCalls.for_job(job, self._family)
+        for sample, token_ids in enumerate(resume or []):
+            if tools is not None and token_ids:
+                tools.replay(sample, await self.engine.output_text(prompt.token_ids, token_ids, params))
+        return tools
 
     async def _admit(self, run: RunningJob, prompt: Any, params: SamplingParams,
                      resume: list[list[int]] | None) -> tuple[OutputStream, RequestOutput] | None:
@@ -185,7 +203,7 @@ class JobRunner:
         return None
 
     async def _relay(self, run: RunningJob, params: SamplingParams, state: ResumeState, stream: OutputStream,
-                     out: RequestOutput) -> None:
+                     out: RequestOutput, tools: ToolCalls | None) -> None:
         """Engine outputs -> events, one event per sample per step, until the request finishes."""
         job = run.job
         emitted = {k: len(v) for k, v in state.token_ids.items()}  # counts include a resumed run's
@@ -197,18 +215,8 @@ class JobRunner:
                 self.metrics.finished(["error"] * params.n)
                 await self.answers.fail(run, "internal", f"the engine could not run this request: {out.error}")
                 return
-            events, new_tokens = [], 0
-            for c in out.outputs:
-                if c.token_ids:
-                    texts = None if c.logprobs is None else [self.engine.token_texts(list(step))
-                                                             for step in c.logprobs]
-                    events.append(token_event(job.id, run.next_seq + len(events), c.index,
-                                              list(c.token_ids), c.text, c.logprobs, texts))
-                    emitted[c.index] = emitted.get(c.index, 0) + len(c.token_ids)
-                    answer_text += c.text if c.index == 0 else ""
-                    new_tokens += len(c.token_ids)
-                if c.finish_reason is not None:
-                    reasons[c.index] = c.finish_reason
+            events, new_tokens, text = self._token_events(run, out, tools, emitted, reasons)
+            answer_text += text
             observed.output(out, new_tokens)
             if out.finished:
                 usage = _usage(len(out.prompt_token_ids), sum(emitted.values()), out.num_cached_tokens)
@@ -227,6 +235,26 @@ class JobRunner:
             out = await anext(stream, None)
             if out is None:
                 raise RuntimeError("engine stream ended without a finished output")
+
+    def _token_events(self, run: RunningJob, out: RequestOutput, tools: ToolCalls | None, emitted: dict[int, int],
+                      reasons: dict[int, str]) -> tuple[list[dict[str, Any]], int, str]:
+        """One output's token events (one per sample with something new), how many tokens they hold, and
+        the first sample's new text as the model wrote it (tool calls included: what its next turn holds)."""
+        events, new_tokens, text0 = [], 0, ""
+        for c in out.outputs:
+            finished = c.finish_reason is not None
+            # With tools, the text of calls goes out as tool-call deltas, and a parser may hold text back.
+            text, calls = (c.text, None) if tools is None else tools.feed(c.index, c.text, finished)
+            if c.token_ids or calls or (tools is not None and text):
+                texts = None if c.logprobs is None else [self.engine.token_texts(list(step)) for step in c.logprobs]
+                events.append(token_event(run.job.id, run.next_seq + len(events), c.index, list(c.token_ids), text,
+                                          c.logprobs, texts, calls))
+                emitted[c.index] = emitted.get(c.index, 0) + len(c.token_ids)
+                text0 += c.text if c.index == 0 else ""
+                new_tokens += len(c.token_ids)
+            if finished:
+                reasons[c.index] = c.finish_reason if tools is None else tools.finish_reason(c.index, c.finish_reason)
+        return events, new_tokens, text0
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict[str, int]:
