@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 
 from clients.errors import ProtocolError
-from clients.protocol import done_event, token_event
+from clients.protocol import Job, done_event, token_event
 from clients.resume import ResumeState
 from streamer import RequestOutput, SamplingParams
 from streamer.errors import EngineDeadError, GrammarError, QueueFullError
@@ -148,7 +148,7 @@ class JobRunner:
             await self.answers.fail(run, "invalid_request", str(e))
             return None
 
-    async def _tool_calls(self, job: Any, prompt: Any, params: SamplingParams,
+    async def _tool_calls(self, job: Job, prompt: Any, params: SamplingParams,
                           resume: list[list[int]] | None) -> ToolCalls | None:
         """The parsers of a job whose output is read as tool calls; a resumed job's are brought to where
         the text it already sent left them, so its stream goes on as it would have."""
