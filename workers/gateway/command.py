@@ -9,9 +9,9 @@ import signal
 from pathlib import Path
 
 from workers.arg_types import port_number, redis_url
-from workers.errors import UserError
 from workers.gateway.config import GatewayConfig
 from workers.gateway.server import running_gateway
+from workers.gateway.tenants import KeysFile, read_keys_file
 from workers.redis_options import add_pool_arguments, check_redis
 
 log = logging.getLogger("streamer.gateway")
@@ -31,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", action="append", default=None, dest="api_key",
                         help="accept this API key (repeat for several); none given: no key needed")
     parser.add_argument("--api-keys-file", type=Path, default=None,
-                        help="file with one API key per line (# comments allowed)")
+                        help="file with one API key per line (# comments allowed), or JSON/TOML naming "
+                             "tenants (share, max_concurrent, tokens_per_minute) and each key's tenant "
+                             "(docs/gateway.md#tenants)")
     parser.add_argument("--insecure-no-auth", action="store_true",
                         help="serve without an API key on a non-loopback --host (anyone who reaches the "
                              "port may use it); without this flag such a gateway refuses to start")
@@ -61,23 +63,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
 
 
-def _read_keys(path: Path | None) -> list[str]:
-    if path is None:
-        return []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise UserError(f"cannot read --api-keys-file {path}: {e.strerror}") from e
-    return [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+def _read_keys(path: Path | None) -> KeysFile:
+    return KeysFile(()) if path is None else read_keys_file(path)
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
-    keys = [*(k for k in (args.api_key or []) if k), *_read_keys(args.api_keys_file)]
+    from_file = _read_keys(args.api_keys_file)
+    # --api-key keys have no tenant (as one-per-line files' keys): their jobs are untagged.
+    keys = list(dict.fromkeys([*(k for k in (args.api_key or []) if k), *from_file.keys]))
     return GatewayConfig(host=args.host, port=args.port, redis_url=args.redis, prefix=args.prefix,
                          cluster=getattr(args, "cluster", False), request_shards=args.request_shards,
                          redis_max_connections=args.redis_max_connections,
                          redis_pool_timeout_s=args.redis_pool_timeout,
-                         api_keys=tuple(keys), insecure_no_auth=args.insecure_no_auth,
+                         api_keys=tuple(keys), tenants=from_file.tenants, key_tenants=from_file.key_tenants,
+                         insecure_no_auth=args.insecure_no_auth,
                          allowed_origins=tuple(args.allowed_origin or ()),
                          max_frame_bytes=args.max_frame_bytes, max_inflight=args.max_inflight,
                          max_prompt_tokens=args.max_prompt_tokens, max_connections=args.max_connections,

@@ -6,6 +6,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from workers.gateway.tenants import TenantLimits
 from workers.redis_options import DEFAULT_MAX_CONNECTIONS, DEFAULT_POOL_TIMEOUT_S
 
 # The chat page ships in the client package: clients/web/.
@@ -23,6 +24,10 @@ class GatewayConfig:
     cluster: bool = False  # Redis is a cluster (`streamer gateway` finds out at start)
     request_shards: int = 1  # request streams jobs are spread over (as the workers')
     api_keys: tuple[str, ...] = ()  # empty: no key needed
+    # Tenants of the keys file (tenants.py): name -> limits, and key -> tenant name. A key that is not
+    # in `key_tenants` has no tenant: its jobs are untagged and unlimited.
+    tenants: dict[str, TenantLimits] = field(default_factory=dict)
+    key_tenants: dict[str, str] = field(default_factory=dict)
     # Without keys the gateway only listens on a loopback address, unless this says it may serve anyone.
     insecure_no_auth: bool = False
     allowed_origins: tuple[str, ...] = ()  # empty: same origin only; "*": any
@@ -41,6 +46,19 @@ class GatewayConfig:
     status_every_s: float = 1.0  # `status` frames (queue place, prompt progress) for requests asking
     close_timeout_s: float = 5.0
     web_root: Path = field(default=WEB_ROOT)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.key_tenants.values()) - set(self.tenants))
+        if unknown:
+            raise ValueError(f"key_tenants names tenants that are not in tenants: {unknown}")
+        # A key with a tenant is a key: accepted even when the caller listed it only there.
+        missing = tuple(k for k in self.key_tenants if k not in self.api_keys)
+        if missing:
+            object.__setattr__(self, "api_keys", (*self.api_keys, *missing))
+
+    def tenant_of(self, key: str | None) -> str:
+        """The tenant of an API key that authenticated a request ("": none)."""
+        return self.key_tenants.get(key or "", "")
 
     @property
     def hard_frame_limit(self) -> int:

@@ -35,6 +35,8 @@ _METRICS: dict[str, tuple[str, str]] = {
 # OpenAI API answer); for open connections the OpenAI API's are its Server-Sent Events streams (`sse`).
 FIRST_TOKEN_PROTOCOLS = ("ws", "openai")
 OPEN_PROTOCOLS = ("ws", "sse")
+# Why a tenant's request was refused (tenants.py): its max_concurrent, or its tokens_per_minute.
+TENANT_REJECT_REASONS = ("concurrency", "tokens")
 
 # vLLM's buckets for vllm:time_to_first_token_seconds, so the gateway's histogram (what the client
 # sees) and the worker's (what the engine sees) can be compared bucket by bucket: the difference is
@@ -60,6 +62,16 @@ class Metrics:
         self._open = Gauge(PREFIX + "open_connections",
                            "Client connections streaming now, by protocol (ws: WebSocket sockets; sse: "
                            "Server-Sent Events streams of the OpenAI API).", ["protocol"], registry=self.registry)
+        self._tenant_admitted = Counter(PREFIX + "tenant_admitted_total",
+                                        "Jobs admitted under their tenant's limits, by tenant.", ["tenant"],
+                                        registry=self.registry)
+        self._tenant_rejected = Counter(PREFIX + "tenant_rejected_total",
+                                        "Jobs refused by their tenant's limits (never pushed), by tenant and "
+                                        "reason (concurrency: max_concurrent; tokens: tokens_per_minute).",
+                                        ["tenant", "reason"], registry=self.registry)
+        self._tenant_tokens = Counter(PREFIX + "tenant_tokens_charged_total",
+                                      "Tokens charged against tokens_per_minute at admission (prompt + "
+                                      "max_tokens per sample), by tenant.", ["tenant"], registry=self.registry)
         # Every labelled series exists from the start (at 0), so a dashboard shows 0, not "no data",
         # before the first request of a protocol, and rate() has a starting point.
         for protocol in FIRST_TOKEN_PROTOCOLS:
@@ -68,6 +80,21 @@ class Metrics:
             self._open.labels(protocol)
         # Read-only view by short name (`values["requests_total"]`), for code and tests that check a count.
         self.values: Mapping[str, float] = _Values(self)
+
+    def add_tenants(self, tenants: list[str]) -> None:
+        """The configured tenants' series, at 0 from the start (a dashboard shows 0, not "no data")."""
+        for tenant in tenants:
+            self._tenant_admitted.labels(tenant)
+            self._tenant_tokens.labels(tenant)
+            for reason in TENANT_REJECT_REASONS:
+                self._tenant_rejected.labels(tenant, reason)
+
+    def tenant_admitted(self, tenant: str, jobs: int, tokens: int) -> None:
+        self._tenant_admitted.labels(tenant).inc(jobs)
+        self._tenant_tokens.labels(tenant).inc(tokens)
+
+    def tenant_rejected(self, tenant: str, reason: str, jobs: int) -> None:
+        self._tenant_rejected.labels(tenant, reason).inc(jobs)
 
     def inc(self, name: str, by: float = 1) -> None:
         self._plain[name].inc(by)

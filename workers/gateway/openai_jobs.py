@@ -15,6 +15,7 @@ from workers.gateway.config import GatewayConfig
 from workers.gateway.hub import Hub
 from workers.gateway.metrics import Metrics
 from workers.gateway.openai_response import StreamMeta
+from workers.gateway.tenants import TenantGate
 
 
 class Gateway(Protocol):
@@ -24,6 +25,7 @@ class Gateway(Protocol):
     hub: Hub
     metrics: Metrics
     limits: Limits
+    gate: TenantGate  # the tenants' limits, checked before the jobs are pushed
     started_wall: float
     http_streams: dict[str, int]  # request id -> HTTP streams relaying it now
     draining: asyncio.Event  # set when the gateway starts shutting down

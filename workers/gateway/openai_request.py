@@ -51,6 +51,7 @@ class OpenAIRequest:
     prompts: list[dict[str, Any]]  # per job: {"prompt": str} / {"prompt_token_ids": [...]} / {"messages": [...]}
     params: dict[str, Any] = field(default_factory=dict)
     priority: int | None = None
+    user: str | None = None  # OpenAI's end-user id: the jobs' `session` unless X-Session-Id says otherwise
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
@@ -162,7 +163,7 @@ def parse_completion(raw: Any) -> OpenAIRequest:
             raise bad("`logprobs` must be an integer from 0 to 20", "logprobs")
         params["logprobs"] = logprobs
     return OpenAIRequest("completion", body["model"], stream, include_usage, params.get("n", 1), logprobs,
-                         _prompts(body.get("prompt")), params, _priority(body))
+                         _prompts(body.get("prompt")), params, _priority(body), body.get("user"))
 
 
 def _prompts(prompt: Any) -> list[dict[str, Any]]:
@@ -199,7 +200,8 @@ def parse_chat(raw: Any) -> OpenAIRequest:
     if spec is not None:
         params["structured_outputs"] = spec
     return OpenAIRequest("chat", body["model"], stream, include_usage, params.get("n", 1), top,
-                         [{"messages": _messages(body.get("messages"))}], params, _priority(body))
+                         [{"messages": _messages(body.get("messages"))}], params, _priority(body),
+                         body.get("user"))
 
 
 def _response_format(value: Any) -> dict[str, Any] | None:

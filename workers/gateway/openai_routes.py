@@ -24,13 +24,14 @@ from starlette.routing import Route
 
 from clients.backoff import TRANSIENT
 from clients.errors import ProtocolError
-from clients.protocol import ID_RE, VERSION
+from clients.protocol import ID_RE, MAX_SESSION_CHARS, VERSION
 from workers.gateway.admission import check_job
 from workers.gateway.openai_jobs import Gateway, JobStream
 from workers.gateway.openai_request import OpenAIError, OpenAIRequest, bad, parse_chat, parse_completion
 from workers.gateway.openai_response import Assembler, StreamMeta
 from workers.gateway.openai_stream import Position, sse_events
-from workers.gateway.routes import key_ok
+from workers.gateway.routes import key_ok, request_token
+from workers.gateway.tenants import RateLimited, tag
 
 log = logging.getLogger("streamer.gateway")
 _MODELS_TTL_S = 2.0  # how long the list of served models is reused
@@ -49,6 +50,16 @@ _STATUS = {"invalid_request": 400, "invalid_params": 400, "too_large": 413, "bad
 
 def from_protocol(e: ProtocolError) -> OpenAIError:
     return OpenAIError(_STATUS.get(e.code, 400), e.message, None, e.code)
+
+
+def rate_limit_error(e: RateLimited) -> OpenAIError:
+    """429 as OpenAI answers it: `type` names the limit (requests, tokens), `code` is
+    rate_limit_exceeded, and Retry-After says when to come back. A request that can never fit (more
+    tokens than a minute allows) has no Retry-After and the code request_too_large."""
+    kind = "tokens" if e.reason == "tokens" else "requests"
+    if e.retry_after_s is None:
+        return OpenAIError(429, e.message, None, "request_too_large", kind)
+    return OpenAIError(429, e.message, None, "rate_limit_exceeded", kind, {"Retry-After": str(e.retry_after_s)})
 
 
 class OpenAIRoutes:
@@ -130,8 +141,12 @@ class OpenAIRoutes:
         await self._check_backlog()
         meta = StreamMeta(self._request_id(request), req.kind, req.model, int(time.time()), req.n, [],
                           req.include_usage, req.top_logprobs)
-        jobs = self._jobs(req, meta)
-        stream = await self._submit(meta, jobs)
+        tenant = self.gw.config.tenant_of(request_token(request))  # _guard checked the key
+        jobs = self._jobs(req, meta, tenant, _session(request, req))
+        try:
+            stream = await self._submit(meta, jobs, tenant)
+        except RateLimited as e:
+            raise rate_limit_error(e) from e
         if req.stream:
             return self._sse(request, meta, stream, Position.start(), fresh=True)
         return await self._whole(request, meta, stream)
@@ -166,7 +181,8 @@ class OpenAIRoutes:
             raise bad("X-Request-Id must be 1-120 characters from A-Z a-z 0-9 . _ : @ / + = -", "X-Request-Id")
         return given
 
-    def _jobs(self, req: OpenAIRequest, meta: StreamMeta) -> list[dict[str, Any]]:
+    def _jobs(self, req: OpenAIRequest, meta: StreamMeta, tenant: str = "",
+              session: str | None = None) -> list[dict[str, Any]]:
         many = len(req.prompts) > 1
         jobs = []
         for p, prompt in enumerate(req.prompts):
@@ -174,6 +190,7 @@ class OpenAIRoutes:
                    "params": req.params}
             if req.priority is not None:
                 job["priority"] = req.priority
+            tag(job, tenant, session)
             try:
                 check_job(job, self.gw.limits, self.gw.prompt_limit())
             except ProtocolError as e:
@@ -182,10 +199,11 @@ class OpenAIRoutes:
         meta.jobs = [job["id"] for job in jobs]
         return jobs
 
-    async def _submit(self, meta: StreamMeta, jobs: list[dict[str, Any]]) -> JobStream:
+    async def _submit(self, meta: StreamMeta, jobs: list[dict[str, Any]], tenant: str = "") -> JobStream:
         hub = self.gw.hub
         claimed: list[str] = []
         pushed: list[str] = []
+        reservation = None
         stream = JobStream(self.gw, meta)
         try:
             for job in jobs:
@@ -193,6 +211,8 @@ class OpenAIRoutes:
                     raise OpenAIError(409, f"request id {job['id']!r} is already in use", "X-Request-Id",
                                       "duplicate_id")
                 claimed.append(job["id"])
+            # All the request's jobs or none, once their ids are ours and before anything is pushed.
+            reservation = await self.gw.gate.admit(tenant, jobs, self.gw.prompt_limit())
             await hub.save_stream_meta(meta.request_id, meta.dumps())
             await stream.watch(0, catch_up=False)  # subscribed before the jobs exist: no token is missed
             stream.pushed_at = time.monotonic()  # before the push: a token can arrive before it returns
@@ -206,6 +226,8 @@ class OpenAIRoutes:
             for rid in claimed:
                 with contextlib.suppress(Exception):  # a pushed one runs for nobody: cancel it
                     await (hub.cancel(rid) if rid in pushed else hub.release(rid))
+            with contextlib.suppress(Exception):  # a pushed one's slot is freed by the worker that ends it
+                await self.gw.gate.release(reservation, [job["id"] for job in jobs if job["id"] not in pushed])
             raise
         return stream
 
@@ -278,6 +300,18 @@ class OpenAIRoutes:
             stream.close(cancel=True)
             raise
         return self._sse(request, meta, stream, position, fresh=False)
+
+
+def _session(request: Request, req: OpenAIRequest) -> str | None:
+    """The jobs' `session`: the X-Session-Id header, else the body's `user` (None: neither)."""
+    header = request.headers.get("x-session-id")
+    if header is not None:
+        if not 0 < len(header) <= MAX_SESSION_CHARS:
+            raise bad(f"X-Session-Id must be 1 to {MAX_SESSION_CHARS} characters", "X-Session-Id")
+        return header
+    if req.user is not None and len(req.user) > MAX_SESSION_CHARS:
+        raise bad(f"`user` must be at most {MAX_SESSION_CHARS} characters", "user")
+    return req.user or None  # "" is no user
 
 
 def _no_constants(name: str) -> Any:

@@ -9,7 +9,8 @@ gateway, resumes its answer from the events stream.
 `Gateway` wires the parts of this package into one Starlette app served by uvicorn: routes.py (HTTP,
 API keys, origins), openai_routes.py (the OpenAI-compatible API), session.py (one socket: frames,
 limits, send queue; it gets the hub, the metrics and the grace-period cancels passed in), hub.py
-(Redis: jobs, cancels, pub/sub relay with gap filling), metrics.py.
+(Redis: jobs, cancels, pub/sub relay with gap filling), tenants.py (the keys' tenants and their
+limits, checked in Redis before each push), metrics.py.
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ from workers.gateway.config import GatewayConfig
 from workers.gateway.hub import Hub
 from workers.gateway.metrics import Metrics
 from workers.gateway.openai_routes import OpenAIRoutes
-from workers.gateway.routes import WS_PATH, Routes
+from workers.gateway.routes import WS_PATH, Routes, request_token
 from workers.gateway.session import Session
 from workers.gateway.socket_conn import SocketConn, with_transport
+from workers.gateway.tenants import TenantGate
 from workers.redis_options import pool_url
 
 log = logging.getLogger("streamer.gateway")
+SHARES_EVERY_S = 60.0  # the tenants' shares are written again this often (a Redis that lost them)
 
 
 class Gateway:
@@ -53,6 +56,8 @@ class Gateway:
         redis_url = pool_url(config.redis_url, config.redis_max_connections, config.redis_pool_timeout_s)
         self.hub = Hub(redis_url, self.names, self.metrics, ttl_s=config.request_ttl_s,
                        idle_poll_s=config.idle_poll_s)
+        # Tenants' limits, checked in Redis before every push of a job that has a tenant.
+        self.gate = TenantGate(self.hub.redis, self.names, config.tenants, self.metrics, config.request_ttl_s)
         self.routes = Routes(config.web_root, config.api_keys, config.allowed_origins, self.health,
                              self.metrics.render, lambda: self.metrics.inc("connections_refused_total"),
                              lambda: len(self.sessions) < config.max_connections, live=self.live)
@@ -107,6 +112,7 @@ class Gateway:
                         self.config.host or "*", self.config.port)
         await self.hub.start()
         try:
+            await self.gate.register_shares()  # before the first job: workers share by them
             await self._serve()
         except BaseException:
             await self.hub.close()
@@ -161,8 +167,10 @@ class Gateway:
 
     async def _handle(self, starlette_ws: WebSocket) -> None:
         ws = SocketConn(starlette_ws)
+        # The handshake passed the key check: its key's tenant is every job's on this socket.
         session = Session(ws, self.config, self.hub, self.metrics, self.limits, self, self.prompt_limit,
-                          lambda: self.workers_alive)
+                          lambda: self.workers_alive, gate=self.gate,
+                          tenant=self.config.tenant_of(request_token(starlette_ws)))
         self.sessions.add(session)
         self.metrics.inc("connections_total")
         try:
@@ -244,9 +252,14 @@ class Gateway:
     async def _workers_loop(self, every_s: float = 5.0) -> None:
         # Ends on `_stopping`, not only on cancel: a cancel that lands inside a Redis call can be
         # swallowed there (seen with redis-py on Python 3.11), and close() must never hang on it.
+        shares_at = time.monotonic()
         while not self._stopping.is_set():
             with contextlib.suppress(Exception):  # Redis away: keep the last known value
                 self._learn(await self.hub.workers())
+            if time.monotonic() - shares_at >= SHARES_EVERY_S:
+                with contextlib.suppress(Exception):  # Redis away: the next round writes them
+                    await self.gate.register_shares()
+                    shares_at = time.monotonic()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), every_s)
 

@@ -31,6 +31,7 @@ from workers.gateway.config import GatewayConfig
 from workers.gateway.hub import Hub
 from workers.gateway.metrics import Metrics
 from workers.gateway.socket_conn import SocketClosed, SocketConn
+from workers.gateway.tenants import RateLimited, Reservation, TenantGate, tag
 from workers.gateway.watch import FINAL_TYPES, Watch
 
 log = logging.getLogger("streamer.gateway")
@@ -49,10 +50,10 @@ def _size(text: str) -> int:
 _MAX_SEQ = 2**63 - 2
 
 
-def _error_frame(request_id: str | None, code: str, message: str) -> str:
+def _error_frame(request_id: str | None, code: str, message: str, extra: dict[str, Any] | None = None) -> str:
     # ASCII only: a message that quotes a client's bad text (a lone surrogate) must still be sendable.
     return json.dumps({"type": "error", "id": request_id, "code": code, "message": message,
-                       "source": "gateway"})
+                       "source": "gateway", **(extra or {})})
 
 
 def _frame_id(obj: dict[str, Any]) -> str | None:
@@ -94,8 +95,11 @@ class GraceCancels(Protocol):
 class Session:
     def __init__(self, ws: SocketConn, config: GatewayConfig, hub: Hub, metrics: Metrics,
                  limits: Limits, grace: GraceCancels, prompt_limit: Callable[[], int] = lambda: 0,
-                 workers_alive: Callable[[], int | None] = lambda: None) -> None:
+                 workers_alive: Callable[[], int | None] = lambda: None, *, gate: TenantGate | None = None,
+                 tenant: str = "") -> None:
         self.ws, self.cfg, self.hub, self.metrics = ws, config, hub, metrics
+        # The tenant of the key this socket authenticated with ("": none), and its limits' check.
+        self.gate, self.tenant = gate, tenant
         self.limits, self.grace = limits, grace
         self.prompt_limit = prompt_limit  # longest prompt_token_ids a worker can take now (0: unknown)
         self.workers_alive = workers_alive  # live workers the gateway last saw (None: not known yet)
@@ -170,9 +174,9 @@ class Session:
         self.closing = True
         await self.ws.close(code, reason, self.cfg.close_timeout_s)
 
-    def error(self, request_id: str | None, code: str, message: str) -> None:
+    def error(self, request_id: str | None, code: str, message: str, extra: dict[str, Any] | None = None) -> None:
         self.metrics.error(code)
-        self.send(_error_frame(request_id, code, message))
+        self.send(_error_frame(request_id, code, message, extra))
 
     # --- frames ------------------------------------------------------------------------------------
 
@@ -198,6 +202,9 @@ class Session:
                               + "; expected generate, cancel or resume")
         try:
             await handler(obj)
+        except RateLimited as e:  # `retry_after`: whole seconds (absent: retrying cannot help)
+            extra = {} if e.retry_after_s is None else {"retry_after": e.retry_after_s}
+            self.error(e.request_id or rid, e.code, e.message, extra)
         except ProtocolError as e:
             self.error(e.request_id or rid, e.code, e.message)
         except TRANSIENT as e:
@@ -230,7 +237,7 @@ class Session:
         picked = fields.get("id") is None
         if picked:
             fields["id"] = uuid.uuid4().hex
-        job = {"v": VERSION, **fields}
+        job = tag({"v": VERSION, **fields}, self.tenant)  # the key's tenant, whatever the frame said
         try:
             rid = check_job(job, self.limits, self.prompt_limit()).id
         except ProtocolError as e:
@@ -240,7 +247,11 @@ class Session:
         self._check_room(rid)
         if not await self.hub.claim(rid):
             raise ProtocolError("duplicate_id", f"id {rid!r} is already used by another request", rid)
+        reservation: Reservation | None = None
         try:
+            # The tenant's limits, after the id is ours (a duplicate costs the tenant nothing) and
+            # before anything is sent or pushed: a refused job never reaches Redis.
+            reservation = await self._admit(job, picked)
             # Subscribed before the job exists, so the first token cannot be missed.
             await self._watch(rid, 0, catch_up=False)
             self.send(json.dumps(self._accepted(rid)))
@@ -252,6 +263,20 @@ class Session:
             self._forget(rid)
             with contextlib.suppress(Exception):  # so that a retry with the same id is not a duplicate
                 await self.hub.release(rid)
+            if reservation is not None and self.gate is not None:
+                with contextlib.suppress(Exception):  # not pushed: its slot and tokens go back (or expire)
+                    await self.gate.release(reservation)
+            raise
+
+    async def _admit(self, job: dict[str, Any], picked: bool) -> Reservation | None:
+        """The job's slot and tokens under its tenant's limits, or RateLimited."""
+        if self.gate is None:
+            return None
+        try:
+            return await self.gate.admit(self.tenant, [job], self.prompt_limit())
+        except RateLimited as e:
+            if picked:  # an id the client never saw names nothing for it
+                e.request_id = None
             raise
 
     async def _resume(self, obj: dict[str, Any]) -> None:

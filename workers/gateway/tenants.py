@@ -1,0 +1,381 @@
+"""Tenants: who a request belongs to (the API key that authenticated it), what it may use, and the
+check of those limits in Redis before a job is pushed (docs/gateway.md#tenants).
+
+The keys file (`--api-keys-file`) is either the old format, one key per line, whose keys have no
+tenant (their jobs are untagged and unlimited, exactly as before), or JSON / TOML naming tenants,
+their limits and each key's tenant:
+
+    {"tenants": {"acme": {"share": 3, "max_concurrent": 8, "tokens_per_minute": 200000}},
+     "keys": {"sk-a...": "acme"}}
+
+Admission is one Lua script per request (ADMIT_SCRIPT): every gateway, and the workers that end
+jobs, share the counters in Redis, so the limits hold across any number of gateways, and nothing
+is pushed when they are exceeded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from clients.errors import ProtocolError
+from clients.protocol import TENANT_RE, Names
+from streamer.sampling_params import SamplingParams
+from workers.errors import UserError
+from workers.gateway.metrics import Metrics
+
+# What a job without `max_tokens` generates at most (the engine's default), so what it is charged.
+DEFAULT_MAX_TOKENS: int = SamplingParams.__dataclass_fields__["max_tokens"].default
+
+_TOP_FIELDS = {"tenants", "keys"}
+_TENANT_FIELDS = {"share", "max_concurrent", "tokens_per_minute"}
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    share: float = 1.0  # weight of its fair share of the workers (written to `names.tenants`)
+    max_concurrent: int = 0  # jobs pushed and not finished at once; 0: no bound
+    tokens_per_minute: int = 0  # tokens charged per minute window (prompt + max output); 0: no bound
+
+    def __post_init__(self) -> None:  # the keys file is checked with better messages (parse_tenants)
+        if not self.share > 0 or self.max_concurrent < 0 or self.tokens_per_minute < 0:
+            raise ValueError(f"bad tenant limits {self}: share must be > 0, the bounds 0 or more")
+
+
+@dataclass(frozen=True)
+class KeysFile:
+    """What `--api-keys-file` holds: every key, and for keys with a tenant, its tenant."""
+
+    keys: tuple[str, ...]
+    tenants: dict[str, TenantLimits] = field(default_factory=dict)
+    key_tenants: dict[str, str] = field(default_factory=dict)
+
+
+# --- the keys file -------------------------------------------------------------------------------
+
+def read_keys_file(path: Path) -> KeysFile:
+    """One key per line (`#` comments), or JSON (`.json`, or text starting with `{`) or TOML
+    (`.toml`) with tenants. Raises UserError saying what is wrong and where."""
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise UserError(f"cannot read --api-keys-file {path}: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise UserError(f"--api-keys-file {path} is not UTF-8 text") from e
+    kind = _format(path, text)
+    if kind == "lines":
+        lines = (ln.strip() for ln in text.splitlines())
+        return KeysFile(tuple(ln for ln in lines if ln and not ln.startswith("#")))
+    return parse_tenants(_decode(path, text, kind), f"--api-keys-file {path}")
+
+
+def _format(path: Path, text: str) -> str:
+    suffix = path.suffix.lower()
+    if suffix in (".json", ".toml"):
+        return suffix[1:]
+    # A key never starts with `{`; a JSON object always does.
+    return "json" if text.lstrip("\ufeff \t\r\n").startswith("{") else "lines"
+
+
+def _decode(path: Path, text: str, kind: str) -> Any:
+    try:
+        if kind == "toml":
+            return _toml_loads(text)
+        # A key or tenant written twice is a mistake that json would silently resolve to the last one.
+        return json.loads(text, object_pairs_hook=_no_duplicates)
+    except ValueError as e:  # tomllib.TOMLDecodeError is one
+        raise UserError(f"--api-keys-file {path} is not valid {kind.upper()}: {e}") from e
+
+
+def _toml_loads(text: str) -> Any:
+    try:
+        import tomllib  # the standard library's from Python 3.11; the project still runs on 3.10
+    except ModuleNotFoundError as e:
+        raise UserError("a TOML --api-keys-file needs Python 3.11 or later: write it as JSON instead") from e
+    return tomllib.loads(text)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"{k[:4] + '...' if len(k) > 8 else k!r} is given twice")
+        out[k] = v
+    return out
+
+
+def parse_tenants(data: Any, where: str) -> KeysFile:
+    """The decoded JSON / TOML document -> KeysFile. `where` starts every error message."""
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: must be an object with `tenants` and `keys`")
+    _no_unknown(data, _TOP_FIELDS, where)
+    tenants_raw = data.get("tenants", {})
+    if not isinstance(tenants_raw, dict):
+        raise UserError(f"{where}: `tenants` must be an object: tenant name -> its limits")
+    tenants = {name: _tenant(name, spec, where) for name, spec in tenants_raw.items()}
+    keys_raw = data.get("keys")
+    if not isinstance(keys_raw, dict) or not keys_raw:
+        # No key at all would leave the gateway open to anyone: never what such a file means.
+        raise UserError(f"{where}: `keys` must be a non-empty object: API key -> tenant name")
+    key_tenants = {_key(k, where): _key_tenant(k, t, tenants, where) for k, t in keys_raw.items()}
+    return KeysFile(tuple(key_tenants), tenants, key_tenants)
+
+
+def _no_unknown(obj: dict[str, Any], allowed: set[str], where: str) -> None:
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        raise UserError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+
+
+def _tenant(name: Any, spec: Any, where: str) -> TenantLimits:
+    if not isinstance(name, str) or not TENANT_RE.match(name):
+        raise UserError(f"{where}: tenant name {name!r} must be 1 to 64 letters, digits, '.', '_' or '-'")
+    at = f"{where}: tenants.{name}"
+    if not isinstance(spec, dict):
+        raise UserError(f"{at} must be an object with share, max_concurrent, tokens_per_minute")
+    _no_unknown(spec, _TENANT_FIELDS, at)
+    share = spec.get("share", 1)
+    if not _is_number(share) or not math.isfinite(share) or share <= 0:
+        raise UserError(f"{at}.share must be a positive number, got {share!r}")
+    return TenantLimits(float(share), _count(spec, "max_concurrent", at), _count(spec, "tokens_per_minute", at))
+
+
+def _count(spec: dict[str, Any], name: str, at: str) -> int:
+    value = spec.get(name, 0)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**53:
+        raise UserError(f"{at}.{name} must be a whole number, 0 or more (0: no bound), got {value!r}")
+    return value
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _key(key: Any, where: str) -> str:
+    # Keys travel in `Authorization: Bearer KEY` and `?token=KEY`: whitespace could never match.
+    if not isinstance(key, str) or not key or key != key.strip() or any(c.isspace() for c in key):
+        raise UserError(f"{where}: every API key must be a non-empty string without spaces")
+    return key
+
+
+def _key_tenant(key: str, tenant: Any, tenants: dict[str, TenantLimits], where: str) -> str:
+    if tenant not in tenants:
+        shown = key[:4] + "..." if len(key) > 8 else "a key"  # never the whole key in a log line
+        raise UserError(f"{where}: {shown} names tenant {tenant!r}, which is not in `tenants` "
+                        f"({sorted(tenants)})")
+    return str(tenant)
+
+
+# --- tagging jobs --------------------------------------------------------------------------------
+
+def tag(job: dict[str, Any], tenant: str, session: str | None = None) -> dict[str, Any]:
+    """The job with the gateway's `tenant` (from the API key), never the client's: a client that
+    could name its tenant could use anyone's share and limits. `session`, when given, replaces the
+    job's own (the OpenAI API's header or `user`)."""
+    job.pop("tenant", None)
+    if tenant:
+        job["tenant"] = tenant
+    if session:
+        job["session"] = session
+    return job
+
+
+# --- what a job is charged -----------------------------------------------------------------------
+
+def charge(job: dict[str, Any], prompt_limit: int = 0) -> int:
+    """Tokens a job counts against tokens_per_minute, decided before it runs: its prompt (exact for
+    `prompt_token_ids`, else about 4 characters a token) plus the most it may generate (`max_tokens`
+    per sample). `max_tokens: null` generates until the context is full: charged up to
+    `prompt_limit` (the longest prompt the workers take), or the default when that is not known."""
+    prompt = _prompt_tokens(job)
+    params = job.get("params") or {}
+    samples = _samples(params)
+    out = params.get("max_tokens", DEFAULT_MAX_TOKENS)
+    if out is None:
+        out = max(prompt_limit - prompt, DEFAULT_MAX_TOKENS)
+    return prompt + samples * int(out)
+
+
+def _prompt_tokens(job: dict[str, Any]) -> int:
+    ids = job.get("prompt_token_ids")
+    if ids is not None:
+        return len(ids)
+    if job.get("prompt") is not None:
+        return max(1, len(job["prompt"]) // 4)
+    chars = _text_chars(job.get("messages")) + _text_chars(job.get("tools"))
+    return max(1, chars // 4)
+
+
+def _text_chars(obj: Any) -> int:
+    """Characters of every string in a (checked, at most 6 levels deep) messages or tools value."""
+    if isinstance(obj, str):
+        return len(obj)
+    if isinstance(obj, dict):
+        return sum(_text_chars(v) for v in obj.values())
+    if isinstance(obj, list):
+        return sum(_text_chars(v) for v in obj)
+    return 0
+
+
+def _samples(params: dict[str, Any]) -> int:
+    n = params.get("n", 1)
+    n = n if isinstance(n, int) and n > 0 else 1
+    if params.get("use_beam_search"):
+        width = params.get("beam_width", 4)
+        return max(n, width if isinstance(width, int) and width > 0 else 4)
+    return n
+
+
+# --- admission in Redis --------------------------------------------------------------------------
+
+# Admit a request's jobs for one tenant, all or none, in one round trip. Time is the Redis server's,
+# so gateways with skewed clocks share one window and one expiry. tokens_per_minute counts in fixed
+# windows of one minute (window n = [n, n+1) minutes since the epoch): one GET per admission, where
+# a sliding log would keep every charge. A concurrency slot frees when one of the tenant's jobs ends,
+# which nobody can foresee: its retry-after (1 s) is only a hint for when to look again.
+# KEYS[1] = names.tenant_active(t) (ZSET: member = job id, score = expiry ms),
+# KEYS[2] = names.tenant_tokens(t) (prefix: the window's counter is KEYS[2]:<minute number>; same
+#           hash tag, so the same slot on a cluster).
+# ARGV[1] = max_concurrent (0: none), ARGV[2] = tokens_per_minute (0: none), ARGV[3] = slot TTL (ms),
+# ARGV[4] = tokens charged, ARGV[5..] = the jobs' ids.
+# Returns {1, counter key} when admitted; {0, reason, retry after ms (-1: never fits), in use}.
+ADMIT_SCRIPT = """
+local now_t = redis.call('TIME')
+local now = tonumber(now_t[1]) * 1000 + math.floor(tonumber(now_t[2]) / 1000)
+local max_concurrent, per_minute = tonumber(ARGV[1]), tonumber(ARGV[2])
+local ttl, cost, jobs = tonumber(ARGV[3]), tonumber(ARGV[4]), #ARGV - 4
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if max_concurrent > 0 then
+  local active = redis.call('ZCARD', KEYS[1])
+  if jobs > max_concurrent then return {0, 'concurrency', -1, active} end
+  if active + jobs > max_concurrent then return {0, 'concurrency', 1000, active} end
+end
+local window = math.floor(now / 60000)
+local counter = KEYS[2] .. ':' .. window
+if per_minute > 0 then
+  local used = tonumber(redis.call('GET', counter) or '0')
+  if cost > per_minute then return {0, 'tokens', -1, used} end
+  if used + cost > per_minute then return {0, 'tokens', (window + 1) * 60000 - now, used} end
+  redis.call('INCRBY', counter, cost)
+  redis.call('PEXPIRE', counter, 120000)
+end
+for i = 5, #ARGV do redis.call('ZADD', KEYS[1], now + ttl, ARGV[i]) end
+redis.call('PEXPIRE', KEYS[1], ttl)
+return {1, counter}
+"""
+
+# Give back what admission took for jobs that were never pushed.
+# KEYS[1] = names.tenant_active(t), KEYS[2] = the window's counter admission returned;
+# ARGV[1] = tokens to give back, ARGV[2..] = the jobs' ids. Returns how many ids were removed.
+# The counter is only lowered while it exists: once its window expired there is nothing to give back
+# (and DECRBY would create a key without a TTL).
+RELEASE_SCRIPT = """
+local removed = 0
+for i = 2, #ARGV do removed = removed + redis.call('ZREM', KEYS[1], ARGV[i]) end
+if tonumber(ARGV[1]) > 0 and redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('DECRBY', KEYS[2], ARGV[1])
+end
+return removed
+"""
+
+
+class RateLimited(ProtocolError):
+    """A tenant's limit refuses the request. `retry_after_s`: whole seconds until it may fit (None:
+    it never fits, e.g. more tokens than tokens_per_minute; the code is then `request_too_large`)."""
+
+    def __init__(self, tenant: str, reason: str, retry_after_s: int | None, message: str,
+                 request_id: str | None = None) -> None:
+        super().__init__("rate_limited" if retry_after_s is not None else "request_too_large", message,
+                         request_id)
+        self.tenant, self.reason, self.retry_after_s = tenant, reason, retry_after_s
+
+
+@dataclass
+class Reservation:
+    """What admission took for a request's jobs: their slots, and tokens in one window's counter."""
+
+    tenant: str
+    counter: str
+    charges: dict[str, int]  # job id -> tokens charged
+
+
+class TenantGate:
+    """The tenants' limits, checked in Redis before each push (`admit`), given back when the push
+    fails (`release`); the workers remove a finished job from `names.tenant_active(tenant)`."""
+
+    def __init__(self, redis: Any, names: Names, tenants: Mapping[str, TenantLimits], metrics: Metrics,
+                 ttl_s: float) -> None:
+        self.redis, self.names, self.tenants, self.metrics = redis, names, dict(tenants), metrics
+        self.ttl_ms = max(1, int(ttl_s * 1000))  # a lost job (its worker died for good) frees its slot then
+        self._admit = redis.register_script(ADMIT_SCRIPT)
+        self._release = redis.register_script(RELEASE_SCRIPT)
+        metrics.add_tenants(list(self.tenants))
+
+    async def register_shares(self) -> None:
+        """Each tenant's share in `names.tenants`, for the workers' fair sharing. Several gateways
+        with the same file write the same values; a tenant another gateway names is left alone."""
+        if self.tenants:
+            await self.redis.hset(self.names.tenants,
+                                  mapping={t: _share_text(lim.share) for t, lim in self.tenants.items()})
+
+    async def admit(self, tenant: str, jobs: list[dict[str, Any]], prompt_limit: int = 0) -> Reservation | None:
+        """Take a slot per job and their tokens, all or none; RateLimited when a limit says no.
+        None for jobs of no tenant (keys without one): nothing is limited or counted."""
+        limits = self.tenants.get(tenant)
+        if limits is None:
+            return None
+        charges = {job["id"]: charge(job, prompt_limit) for job in jobs}
+        total = sum(charges.values())
+        keys = [self.names.tenant_active(tenant), self.names.tenant_tokens(tenant)]
+        args = [limits.max_concurrent, limits.tokens_per_minute, self.ttl_ms, total, *charges]
+        result = await self._admit(keys=keys, args=args)
+        if int(result[0]) != 1:
+            reason = _text(result[1])
+            self.metrics.tenant_rejected(tenant, reason, len(jobs))
+            raise _refusal(tenant, limits, reason, int(result[2]), int(result[3]), len(jobs), total,
+                           jobs[0]["id"] if len(jobs) == 1 else None)
+        self.metrics.tenant_admitted(tenant, len(jobs), total)
+        return Reservation(tenant, _text(result[1]), charges)
+
+    async def release(self, reservation: Reservation | None, ids: list[str] | None = None) -> None:
+        """Give back the slots and tokens of these jobs (default: all of the reservation's), which
+        were never pushed."""
+        if reservation is None:
+            return
+        ids = list(reservation.charges) if ids is None else ids
+        if not ids:
+            return
+        tokens = sum(reservation.charges.get(i, 0) for i in ids)
+        await self._release(keys=[self.names.tenant_active(reservation.tenant), reservation.counter],
+                            args=[tokens, *ids])
+
+
+def _refusal(tenant: str, limits: TenantLimits, reason: str, retry_ms: int, used: int, jobs: int,
+             tokens: int, request_id: str | None) -> RateLimited:
+    retry = None if retry_ms < 0 else max(1, math.ceil(retry_ms / 1000))  # Retry-After is whole seconds
+    if reason == "concurrency" and retry is None:
+        message = (f"the request has {jobs} prompts; tenant {tenant!r} may run at most "
+                   f"{limits.max_concurrent} at once")
+    elif reason == "concurrency":
+        message = (f"tenant {tenant!r} has {used} requests running (limit {limits.max_concurrent}); retry "
+                   "when one finishes")
+    elif retry is None:
+        message = (f"the request needs {tokens} tokens (prompt + max_tokens); tenant {tenant!r} may use "
+                   f"{limits.tokens_per_minute} per minute: lower max_tokens or shorten the prompt")
+    else:
+        message = (f"tenant {tenant!r} is over its tokens per minute: limit {limits.tokens_per_minute}, "
+                   f"used {used}, requested {tokens}; retry in {retry} s")
+    return RateLimited(tenant, reason, retry, message, request_id)
+
+
+def _share_text(share: float) -> str:
+    share = float(share)
+    return str(int(share)) if share.is_integer() else repr(share)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
