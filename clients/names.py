@@ -102,6 +102,11 @@ class Names:
         """Sorted set of workers that own a request stream (member = name, score = last beat ms)."""
         return f"{self.shared}:worker-streams"
 
+    @property
+    def loads(self) -> str:
+        """Hash worker -> jobs it holds now, written by each worker several times a second (routing)."""
+        return f"{self.shared}:loads"
+
     def worker_prefixes(self, name: str) -> str:
         """Set of the prompt-prefix hashes a worker's cache holds (clients/routing.py), with a TTL."""
         return f"{self.worker(name)}:prefixes"

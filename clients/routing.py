@@ -8,7 +8,7 @@ reads (the most urgent lane first), so an idle worker always finds work.
 Prefixes are matched on text, not token ids: a submitter (any client, in any language) cuts the
 job's input into segments — each chat message (and the tool definitions) as canonical JSON, a plain
 prompt in 256-character chunks, token ids in 64-id chunks — and chains their hashes. Workers keep
-the chains of what they served (workers/worker/prefixes.py) and advertise them as a Redis set; the
+the chains of what they served (workers/worker/accounting.py) and advertise them as a Redis set; the
 router asks each live worker's set, in one pipelined round trip, how much of the job's chain it holds.
 So no client needs the tokenizer, and the same conversation gives the same hashes in every language.
 
@@ -35,7 +35,9 @@ CHARS_PER_TOKEN = 4  # the weight of text in tokens, for comparing matches
 MAX_SEGMENTS = 64  # hashes sent per routed job (longer prompts are matched on their first part)
 POLICIES = ("cache_load", "cache", "least_loaded", "random", "shared")
 # Outcomes counted by the gateway's metrics and shown by `streamer top`.
-OUTCOMES = ("session", "hit", "miss", "fallback", "shared")
+# balanced: sent to a worker by load alone (the `random` and `least_loaded` baselines).
+OUTCOMES = ("session", "hit", "miss", "fallback", "shared", "balanced")
+RECENT_S = 1.0  # a job routed this recently may not be in its worker's load count yet
 
 
 @dataclass(frozen=True)
@@ -138,9 +140,9 @@ def choose(policy: str, views: list[WorkerView], session_owner: str | None = Non
     if policy == "shared" or not views:
         return Decision(None, "shared")
     if policy == "random":
-        return Decision((rng or random).choice(views).name, "shared")
+        return Decision((rng or random).choice(views).name, "balanced")
     if policy == "least_loaded":
-        return Decision(min(views, key=lambda v: (v.load, v.name)).name, "shared")
+        return Decision(min(views, key=lambda v: (v.load, v.name)).name, "balanced")
     if policy == "cache":
         best = max(views, key=lambda v: (v.matched, -v.load))
         return Decision(best.name, "hit") if best.matched >= min_match_tokens else Decision(None, "miss")
@@ -148,8 +150,9 @@ def choose(policy: str, views: list[WorkerView], session_owner: str | None = Non
     if session_owner is not None and any(v.name == session_owner for v in views):
         return Decision(session_owner, "session") if any(v.name == session_owner for v in roomy) \
             else Decision(None, "fallback")
-    best = max(roomy, key=lambda v: (v.matched * (1 - v.load), v.matched), default=None)
-    if best is not None and best.matched >= min_match_tokens:
+    holding = [v for v in roomy if v.matched >= min_match_tokens]
+    best = max(holding, key=lambda v: (v.matched * (1 - v.load), v.matched), default=None)
+    if best is not None:
         return Decision(best.name, "hit")
     if any(v.matched >= min_match_tokens for v in views):
         return Decision(None, "fallback")  # the workers holding it are full: anyone may take it
@@ -173,9 +176,11 @@ def lane_route(names: Names, job: dict[str, Any], outcome: str = "shared") -> Ro
 
 
 class Router:
-    """Routes jobs for one submitter (the gateway, an AsyncClient). Worker loads are read from their
-    heartbeat hashes at most every `refresh_s`, and each job routed since counts against its worker,
-    so a burst does not all land on the one worker that looked idle."""
+    """Routes jobs for one submitter (the gateway, an AsyncClient). Which workers are live and how many
+    seats each has is read from their heartbeats at most every `refresh_s`; how many jobs each holds
+    comes from `Names.loads` (written by every worker each FLUSH_S) in the same round trip as the
+    prefix lookup, plus the jobs routed here since (`_recent`), so a burst does not all land on the
+    one worker that looked idle."""
 
     def __init__(self, redis: Any, names: Names, policy: str = "cache_load", *, min_match_tokens: int = 64,
                  refresh_s: float = 0.5) -> None:
@@ -183,8 +188,8 @@ class Router:
             raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}")
         self.redis, self.names, self.policy = redis, names, policy
         self.min_match_tokens, self.refresh_s = min_match_tokens, refresh_s
-        self._loads: dict[str, float] = {}
-        self._capacity: dict[str, int] = {}
+        self._capacity: dict[str, int] = {}  # live worker -> seats (max_num_seqs)
+        self._recent: dict[str, list[float]] = {}  # worker -> when jobs were routed to it (monotonic)
         self._read_at = float("-inf")
         self._live = live_script(redis)
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
@@ -198,38 +203,53 @@ class Router:
         if self.policy == "shared" or self.names.shards > 1:
             return lane_route(self.names, job)
         await self._refresh()
-        if len(self._loads) < 2:  # one worker (or none): the shared lane is as good and simpler
+        if len(self._capacity) < 2:  # one worker (or none): the shared lane is as good and simpler
             return lane_route(self.names, job)
         chain, session = prefix_chain(job), job.get("session") or None
         views, owner = await self._views(chain, session)
         decision = choose(self.policy, views, owner, min_match_tokens=self.min_match_tokens)
         if decision.worker is None:
             return lane_route(self.names, job, decision.outcome)
-        self._loads[decision.worker] += 1 / max(1, self._capacity[decision.worker])
+        self._recent.setdefault(decision.worker, []).append(time.monotonic())
         return Route(self.names.worker_requests(decision.worker), None, decision.outcome, decision.worker)
 
     async def _views(self, chain: list[Segment], session: str | None) -> tuple[list[WorkerView], str | None]:
-        workers = sorted(self._loads)
+        workers = sorted(self._capacity)
         digests = [s.digest for s in chain]
         async with self.redis.pipeline(transaction=False) as pipe:
-            if session:
-                pipe.get(self.names.session(session))
+            pipe.hmget(self.names.loads, workers)
+            pipe.get(self.names.session(session or ""))
             for name in workers if digests else []:
                 pipe.smismember(self.names.worker_prefixes(name), digests)
-            replies = await pipe.execute(raise_on_error=False)
-        owner = _text(replies.pop(0)) if session else None
-        held = replies if digests else [[] for _ in workers]
-        views = [WorkerView(name, self._loads[name], matched_tokens(chain, h) if isinstance(h, list) else 0)
-                 for name, h in zip(workers, held, strict=True)]
-        return views, owner
+            held_jobs, owner, *held = await pipe.execute(raise_on_error=False)
+        held = held if digests else [[] for _ in workers]
+        jobs = held_jobs if isinstance(held_jobs, list) else [None] * len(workers)
+        views = [WorkerView(name, self._load(name, n), matched_tokens(chain, h) if isinstance(h, list) else 0)
+                 for name, n, h in zip(workers, jobs, held, strict=True)]
+        return views, _text(owner) if session else None
+
+    def _load(self, worker: str, held: Any) -> float:
+        """Jobs it held at its last flush, plus those routed to it since (which that flush may not
+        have counted yet), over its seats."""
+        now = time.monotonic()
+        recent = [t for t in self._recent.get(worker, []) if now - t < RECENT_S]
+        self._recent[worker] = recent
+        return (_count(held) + len(recent)) / self._capacity[worker]
 
     async def _refresh(self) -> None:
         if time.monotonic() - self._read_at < self.refresh_s:
             return
         stats = await live_worker_stats(self.redis, self.names, self._live)
         self._capacity = {w["name"]: max(1, int(w.get("max_num_seqs") or 1)) for w in stats}
-        self._loads = {w["name"]: int(w.get("jobs") or 0) / self._capacity[w["name"]] for w in stats}
         self._read_at = time.monotonic()
+
+
+def _count(value: Any) -> int:
+    """A load field as Redis returned it (bytes, or None when the worker has not flushed yet)."""
+    try:
+        return max(0, int(value))
+    except (TypeError, ValueError):
+        return 0
 
 
 def _text(value: Any) -> str | None:

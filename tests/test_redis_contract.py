@@ -448,7 +448,7 @@ async def test_every_key_a_finished_job_leaves_expires(llama_ckpt: Path, redis_u
     # The queue's own keys (docs/scheduling.md), not any job's: the stream registry, the tenants'
     # service clock, the workers that own a stream and the worker's own stream.
     shared = {k.encode() for k in (NAMES.requests, NAMES.dead, NAMES.streams, NAMES.service, NAMES.worker_streams,
-                                   NAMES.worker_requests(worker.cfg.consumer))}
+                                   NAMES.loads, NAMES.worker_requests(worker.cfg.consumer))}
     keys = [key.decode() async for key in r.scan_iter(count=1000) if key not in shared]
     async with r.pipeline(transaction=True) as pipe:  # one MULTI: every PTTL against the same clock
         for key in keys:

@@ -166,6 +166,8 @@ async def test_a_routed_jobs_worker_killed_mid_answer(tmp_path: Path, redis_url:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        for name in procs:  # shown when the test fails
+            print(f"--- {name}'s log ---\n" + (tmp_path / f"{name}.log").read_text()[-4000:])
     stored = read_events(redis_url, rid)  # seq contiguous (checked against the stream ids)
     assert events == stored
     assert check_complete(stored)["finish_reason"] == "length"
@@ -190,4 +192,35 @@ async def test_a_plain_xadd_to_the_requests_stream_is_still_served(llama_ckpt: P
         rest = [e async for e in client.stream(urgent, timeout=30)]
     assert len(tokens_of(plain)) == 4 and check_complete(plain)["finish_reason"] == "length"
     assert len(tokens_of(rest)) == 3
+    r.close()
+
+
+@pytest.mark.anyio
+async def test_a_tenants_slot_is_freed_by_the_worker_when_its_job_ends(llama_ckpt: Path, redis_url: str) -> None:
+    """Gateway and worker together: a tenant allowed one job at a time gets 429 while its job runs,
+    and is admitted again once the worker has finished it (the worker frees the slot, not a timeout)."""
+    import httpx
+    from test_gateway import config
+
+    from workers.gateway.server import running_gateway
+    from workers.gateway.tenants import TenantLimits
+
+    gw_config = config(redis_url, api_keys=("k1",), tenants={"solo": TenantLimits(max_concurrent=1)},
+                       key_tenants={"k1": "solo"})
+    body = {"model": str(llama_ckpt), "prompt": "tenant slot", "max_tokens": 150, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    r = redis.Redis.from_url(redis_url)
+    async with running_worker(llama_ckpt, redis_url), running_gateway(gw_config) as gw, \
+            httpx.AsyncClient(base_url=gw.url + "v1", headers={"Authorization": "Bearer k1"}, timeout=30) as http:
+        async with http.stream("POST", "/completions", json=body) as first:
+            assert first.status_code == 200
+            lines = first.aiter_lines()
+            await anext(lines)  # the first chunk: the job runs
+            refused = await http.post("/completions", json={**body, "stream": False})
+            assert refused.status_code == 429 and refused.headers["retry-after"]
+            rest = [line async for line in lines]
+        assert "data: [DONE]" in rest
+        await wait_for(lambda: r.zcard(NAMES.tenant_active("solo")) == 0, timeout=10)
+        again = await http.post("/completions", json={**body, "stream": False, "max_tokens": 4})
+        assert again.status_code == 200, again.text
     r.close()

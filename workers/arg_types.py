@@ -55,3 +55,15 @@ def redis_url(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is {given}: a Redis URL looks like redis://HOST:6379/0 "
                                          "(rediss:// with TLS, unix:///path/redis.sock)")
     return text
+
+
+def priority_lanes(text: str) -> tuple[int, ...]:
+    """`-10,-1`: the cutoffs of the priority lanes (docs/scheduling.md), negative, in any order."""
+    try:
+        cutoffs = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of integers: pass e.g. -10,-1") from None
+    if any(c >= 0 for c in cutoffs):
+        raise argparse.ArgumentTypeError(f"lane cutoffs must be negative (jobs of the default priority 0 "
+                                         f"stay in the default lane), got {text!r}: pass e.g. -10,-1")
+    return tuple(cutoffs)

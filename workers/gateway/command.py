@@ -8,7 +8,8 @@ import logging
 import signal
 from pathlib import Path
 
-from workers.arg_types import port_number, redis_url
+from clients.routing import POLICIES
+from workers.arg_types import port_number, priority_lanes, redis_url
 from workers.gateway.config import GatewayConfig
 from workers.gateway.server import running_gateway
 from workers.gateway.tenants import KeysFile, read_keys_file
@@ -27,6 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix", default=d.prefix, help="prefix of every Redis key (as the worker's)")
     parser.add_argument("--request-shards", type=int, default=d.request_shards,
                         help="request streams jobs are spread over (as the workers')")
+    parser.add_argument("--priority-lanes", type=priority_lanes, default=d.priority_lanes,
+                        help="negative priority cutoffs, e.g. -10,-1: a job of priority <= a cutoff waits in "
+                             "that urgent lane, taken before any job of a less urgent one (docs/scheduling.md)")
+    parser.add_argument("--routing", choices=POLICIES, default=d.routing,
+                        help="with several workers, send a job to the worker holding its session or a long "
+                             "prefix of its prompt (cache_load; shared: never)")
     add_pool_arguments(parser)
     parser.add_argument("--api-key", action="append", default=None, dest="api_key",
                         help="accept this API key (repeat for several); none given: no key needed")
@@ -73,6 +80,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     keys = list(dict.fromkeys([*(k for k in (args.api_key or []) if k), *from_file.keys]))
     return GatewayConfig(host=args.host, port=args.port, redis_url=args.redis, prefix=args.prefix,
                          cluster=getattr(args, "cluster", False), request_shards=args.request_shards,
+                         priority_lanes=args.priority_lanes, routing=args.routing,
                          redis_max_connections=args.redis_max_connections,
                          redis_pool_timeout_s=args.redis_pool_timeout,
                          api_keys=tuple(keys), tenants=from_file.tenants, key_tenants=from_file.key_tenants,

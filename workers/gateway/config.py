@@ -23,6 +23,8 @@ class GatewayConfig:
     prefix: str = "llm"
     cluster: bool = False  # Redis is a cluster (`streamer gateway` finds out at start)
     request_shards: int = 1  # request streams jobs are spread over (as the workers')
+    priority_lanes: tuple[int, ...] = ()  # cutoffs of the urgent lanes (docs/scheduling.md)
+    routing: str = "cache_load"  # clients/routing.py POLICIES; "shared": never route to one worker
     api_keys: tuple[str, ...] = ()  # empty: no key needed
     # Tenants of the keys file (tenants.py): name -> limits, and key -> tenant name. A key that is not
     # in `key_tenants` has no tenant: its jobs are untagged and unlimited.

@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 
+from clients.routing import OUTCOMES as ROUTING_OUTCOMES
+
 PREFIX = "streamer_gateway_"
 
 # name -> (type, help). Order here is the order on the page.
@@ -72,6 +74,15 @@ class Metrics:
         self._tenant_tokens = Counter(PREFIX + "tenant_tokens_charged_total",
                                       "Tokens charged against tokens_per_minute at admission (prompt + "
                                       "max_tokens per sample), by tenant.", ["tenant"], registry=self.registry)
+        self._routed = Counter(PREFIX + "routed_total",
+                               "Jobs pushed, by routing outcome: session (to the worker holding the "
+                               "session), hit (to a worker holding a long enough prefix), miss (no worker "
+                               "held one: shared lanes), fallback (the workers holding it were full: shared "
+                               "lanes), shared (routing off or a single worker), balanced (sent by load alone: the "
+                               "random and least_loaded policies).", ["outcome"],
+                               registry=self.registry)
+        for outcome in ROUTING_OUTCOMES:
+            self._routed.labels(outcome)
         # Every labelled series exists from the start (at 0), so a dashboard shows 0, not "no data",
         # before the first request of a protocol, and rate() has a starting point.
         for protocol in FIRST_TOKEN_PROTOCOLS:
@@ -98,6 +109,10 @@ class Metrics:
 
     def inc(self, name: str, by: float = 1) -> None:
         self._plain[name].inc(by)
+
+    def routed(self, outcome: str) -> None:
+        """Where the router sent a job (clients/routing.py OUTCOMES)."""
+        self._routed.labels(outcome).inc()
 
     def error(self, code: str) -> None:
         """An error frame (or response) with this code was sent."""

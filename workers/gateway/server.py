@@ -49,13 +49,14 @@ SHARES_EVERY_S = 60.0  # the tenants' shares are written again this often (a Red
 class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        self.names = Names(prefix=config.prefix, cluster=config.cluster, shards=config.request_shards)
+        self.names = Names(prefix=config.prefix, cluster=config.cluster, shards=config.request_shards,
+                           lanes=config.priority_lanes)
         self.limits = Limits(max_payload_bytes=config.max_frame_bytes)
         self.metrics = Metrics()
         # The pool's bound travels in the URL's query (redis-py reads it there).
         redis_url = pool_url(config.redis_url, config.redis_max_connections, config.redis_pool_timeout_s)
         self.hub = Hub(redis_url, self.names, self.metrics, ttl_s=config.request_ttl_s,
-                       idle_poll_s=config.idle_poll_s)
+                       idle_poll_s=config.idle_poll_s, routing=config.routing)
         # Tenants' limits, checked in Redis before every push of a job that has a tenant.
         self.gate = TenantGate(self.hub.redis, self.names, config.tenants, self.metrics, config.request_ttl_s)
         self.routes = Routes(config.web_root, config.api_keys, config.allowed_origins, self.health,

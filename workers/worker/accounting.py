@@ -59,16 +59,19 @@ class PrefixAdvert:
         self.removed: set[str] = set()
 
     def add(self, chain: list[Segment]) -> None:
-        before = 0
-        for segment in chain:
+        # Last segment first: the chain's root (a system prompt every turn shares) ends up the most
+        # recently used, so a chain loses its tail first, as the engine frees a prompt's last blocks
+        # first; a tail kept without its root could never match.
+        for i in reversed(range(len(chain))):
+            segment = chain[i]
             if segment.digest in self._held:
                 self._held.move_to_end(segment.digest)
-            else:
-                self._held[segment.digest] = segment.tokens - before
-                self._tokens += segment.tokens - before
-                self.added.add(segment.digest)
-                self.removed.discard(segment.digest)
-            before = segment.tokens
+                continue
+            tokens = segment.tokens - (chain[i - 1].tokens if i else 0)
+            self._held[segment.digest] = tokens
+            self._tokens += tokens
+            self.added.add(segment.digest)
+            self.removed.discard(segment.digest)
         capacity = self.capacity()
         while self._held and self._tokens > capacity:
             digest, tokens = self._held.popitem(last=False)
@@ -89,12 +92,14 @@ class _Pending:
 
 
 class Accounting:
-    """`capacity()`: tokens the engine's KV cache holds (what the advertised prefixes add up to, at most)."""
+    """`capacity()`: tokens the engine's KV cache holds (what the advertised prefixes add up to, at
+    most); `held()`: jobs the worker holds (read by routers, several times a second)."""
 
     def __init__(self, redis: Redis, names: Names, consumer: str, ttl_ms: int,
-                 capacity: Callable[[], int] = lambda: 0) -> None:
+                 capacity: Callable[[], int] = lambda: 0, held: Callable[[], int] = lambda: 0) -> None:
         self.redis, self.names, self.consumer, self.ttl_ms = redis, names, consumer, ttl_ms
         self.prefixes = PrefixAdvert(capacity)
+        self.held = held  # jobs this worker holds now (its load, for routers)
         self._pending = _Pending()
         self._charge = redis.register_script(_CHARGE)
         self._rewritten = float("-inf")
@@ -149,6 +154,7 @@ class Accounting:
         rewrite = time.monotonic() - self._rewritten > REWRITE_S
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zadd(names.worker_streams, {self.consumer: int(time.time() * 1000)})
+            pipe.hset(names.loads, self.consumer, self.held())
             for session in p.sessions:
                 pipe.set(names.session(session), self.consumer, px=SESSION_TTL_MS)
             for tenant, request_id in p.released:
@@ -177,3 +183,4 @@ class Accounting:
     async def leave(self) -> None:
         """This worker stops: its prefixes are no reason to route anything here any more."""
         await self.redis.delete(self.names.worker_prefixes(self.consumer))
+        await self.redis.hdel(self.names.loads, self.consumer)

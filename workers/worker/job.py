@@ -62,6 +62,8 @@ class JobRunner:
             log.exception("request %s (entry %s) failed", d.request_id, d.entry_id)
             try:
                 await self.answers.finish_with_error(d, "internal", f"worker error: {e}")
+                if d.job is not None and d.ours:  # answered: its tenant's slot is free
+                    self.accounting.finished(d.job, 0, d.charged_to, d.charged, None)
             except Exception:  # never let one job's failure take the others down
                 log.exception("request %s (entry %s): could not report the failure", d.request_id,
                               d.entry_id)

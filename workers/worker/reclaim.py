@@ -149,6 +149,7 @@ class Reclaimer:
             log.info("removing the request stream of worker %s, gone for good", name)
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.zrem(self.names.worker_streams, name)
+                pipe.hdel(self.names.loads, name)
                 pipe.delete(stream, self.names.worker_prefixes(name))
                 await pipe.execute()
 

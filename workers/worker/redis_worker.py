@@ -23,7 +23,7 @@ import anyio
 from anyio.abc import TaskGroup
 from redis.exceptions import ResponseError
 
-from clients.backoff import TRANSIENT
+from clients.backoff import TRANSIENT, retry
 from workers.redis_options import async_client
 from workers.worker.accounting import Accounting
 from workers.worker.answers import Answers
@@ -72,7 +72,7 @@ class Worker:
         # Prefixes, sessions and tenants' accounts, advertised for routing and fair sharing; kept three
         # heartbeats, like the stats hash.
         self.accounting = Accounting(self.redis, self.names, config.consumer, int(config.heartbeat_s * 3000),
-                                     capacity=self._kv_tokens)
+                                     capacity=self._kv_tokens, held=lambda: self.state.held)
         self.runner = JobRunner(engine, config, self.state, self.answers, Attempts(self.redis, self.names), m,
                                 self.accounting)
         self.streams = StreamSet(self.redis, self.names, config.consumer)
@@ -111,6 +111,9 @@ class Worker:
         log.info("worker %s: model %s, group %s on %s", cfg.consumer, cfg.model_name, self.names.group,
                  self.names.requests)
         await self.intake.ensure_group()
+        # Its own stream registered before its first heartbeat makes it a routing target: a job
+        # routed to it must be found by the others' reclaimers even if it dies at once.
+        await retry("register", log, self.accounting.flush)
         try:
             if cfg.metrics_port:
                 self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
