@@ -132,8 +132,11 @@ def matched_tokens(chain: list[Segment], held: list[Any]) -> int:
 
 
 def choose(policy: str, views: list[WorkerView], session_owner: str | None = None, *,
-           min_match_tokens: int = 64, max_load: float = 1.0, rng: random.Random | None = None) -> Decision:
-    """Where one job goes. `cache_load`: the session's worker while it has room, else the worker with
+           min_match_tokens: int = 64, max_load: float = 1.5, rng: random.Random | None = None) -> Decision:
+    """Where one job goes. A worker has room while its load is below `max_load`: above 1, routed jobs
+    may queue for its seats (up to half as many again by default) rather than recompute their prefix
+    elsewhere, since a freed seat there comes within one job's time. `cache_load`: the session's
+    worker while it has room, else the worker with
     the most matched tokens discounted by its load (matched × (1 - load)), if that is a long enough
     prefix; otherwise the shared lanes. `cache`: the longest match, load ignored. `least_loaded` and
     `random` route every job to a worker (baselines for the simulation); `shared` never routes."""
