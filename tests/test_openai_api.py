@@ -170,7 +170,8 @@ async def test_bad_requests_get_openai_errors_and_push_nothing(llama_ckpt: Path,
             assert set(error) == {"message", "type", "param", "code"} and error["message"], error
             assert error["param"] == param, (body, error)
         user = [{"role": "user", "content": "x"}]
-        chat_cases = [({"model": model, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        chat_cases = [({"model": model, "messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
+                      ({"model": model, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
                       ({"model": model, "messages": "hi"}, "messages"),
                       ({"model": model, "messages": user, "top_logprobs": 2}, "top_logprobs"),
                       ({"model": model, "messages": user, "tools": [{"type": "function"}]}, "tools")]

@@ -268,3 +268,55 @@ async def test_a_tool_call_job_resumed_after_its_worker_is_killed_streams_the_sa
     assert want_calls[0]["id"] == call_id("resumed", 0, 0)
     for call in want_calls:
         jsonschema.validate(loads(call["function"]["arguments"]), rows)
+
+
+@pytest.mark.anyio
+async def test_openai_sdk_gets_tool_calls_whole_and_streamed(hermes_ckpt: Path, redis_url: str) -> None:
+    import openai
+    from test_gateway import config
+
+    from workers.gateway.server import running_gateway
+
+    ask = {"model": str(hermes_ckpt), "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
+           "temperature": 1.0, "seed": 3, "max_tokens": 1000}
+    async with running_worker(hermes_ckpt, redis_url), running_gateway(config(redis_url)) as gw:
+        client = openai.AsyncOpenAI(base_url=f"{gw.url}v1", api_key="none")
+        try:
+            whole = await client.chat.completions.create(**ask)
+            chunks = [c async for c in await client.chat.completions.create(**ask, stream=True)]
+            named = await client.chat.completions.create(**{**ask, "tool_choice": SEARCH_CHOICE, "n": 2})
+            call = whole.choices[0].message.tool_calls[0]
+            # The next turn carries the call and its result back, as an agent loop does.
+            turn = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                    {"role": "tool", "tool_call_id": call.id, "content": "-3 C"}]
+            follow_up = await client.chat.completions.create(**{**ask, "messages": turn, "tool_choice": "none",
+                                                                 "max_tokens": 4})
+            with pytest.raises(openai.BadRequestError, match="not in `tools`"):
+                await client.chat.completions.create(**{**ask, "tool_choice": {"type": "function",
+                                                                               "function": {"name": "nope"}}})
+            with pytest.raises(openai.BadRequestError, match="tool_choice"):
+                await client.chat.completions.create(**{**ask, "tools": None})
+        finally:
+            await client.close()
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = [c.model_dump() for c in choice.message.tool_calls]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls) and valid_calls(calls)
+    # Streamed: delta.tool_calls accumulated by index give the same calls (the same seed).
+    streamed: dict[int, dict[str, Any]] = {}
+    for chunk in chunks:
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            if delta.id is not None:
+                streamed[delta.index] = {"id": delta.id, "type": delta.type,
+                                         "function": {"name": delta.function.name, "arguments": ""}}
+            streamed[delta.index]["function"]["arguments"] += delta.function.arguments or ""
+    without_ids = [{k: v for k, v in c.items() if k != "id"} for c in calls]
+    assert [{"type": c["type"], "function": c["function"]} for _, c in sorted(streamed.items())] == without_ids
+    assert all(c["id"].startswith("call_") for c in streamed.values())
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    for choice in named.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert [c.function.name for c in choice.message.tool_calls] == ["search"]
+        assert valid_calls([c.model_dump() for c in choice.message.tool_calls])
+    assert follow_up.choices[0].finish_reason in ("stop", "length") and not follow_up.choices[0].message.tool_calls

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from clients.chat_messages import parse_tool_choice, parse_tools
 from streamer.sampling_params import SamplingParams
 
 MAX_PROMPTS = 64  # prompts in one completions request (each is a job)
@@ -24,7 +25,9 @@ _COMMON = {"model", "stream", "stream_options", "max_tokens", "stop", "user", "p
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
                          "tools", "tool_choice", "parallel_tool_calls", "store", "metadata"}
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+# What a message may carry besides its role and content: an assistant's calls, a tool result's call id.
+_MESSAGE_FIELDS = {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}
 
 
 class OpenAIError(Exception):
@@ -48,7 +51,8 @@ class OpenAIRequest:
     include_usage: bool
     n: int
     top_logprobs: int | None  # logprobs asked for: how many alternatives per token (None: none)
-    prompts: list[dict[str, Any]]  # per job: {"prompt": str} / {"prompt_token_ids": [...]} / {"messages": [...]}
+    # per job: {"prompt": str} / {"prompt_token_ids": [...]} / {"messages": [...], "tools", "tool_choice"}
+    prompts: list[dict[str, Any]]
     params: dict[str, Any] = field(default_factory=dict)
     priority: int | None = None
     user: str | None = None  # OpenAI's end-user id: the jobs' `session` unless X-Session-Id says otherwise
@@ -187,8 +191,6 @@ def _prompts(prompt: Any) -> list[dict[str, Any]]:
 
 def parse_chat(raw: Any) -> OpenAIRequest:
     body = _base(_check_fields(raw, CHAT_FIELDS))
-    _unsupported(body, "tools", lambda v: v == [])
-    _unsupported(body, "tool_choice", lambda v: v == "none")
     _unsupported(body, "store", lambda v: v is False)
     stream, include_usage = _stream_options(body)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -199,9 +201,24 @@ def parse_chat(raw: Any) -> OpenAIRequest:
     spec = _response_format(body.get("response_format"))
     if spec is not None:
         params["structured_outputs"] = spec
-    return OpenAIRequest("chat", body["model"], stream, include_usage, params.get("n", 1), top,
-                         [{"messages": _messages(body.get("messages"))}], params, _priority(body),
-                         body.get("user"))
+    chat = {"messages": _messages(body.get("messages")), **_tools(body, params)}
+    return OpenAIRequest("chat", body["model"], stream, include_usage, params.get("n", 1), top, [chat], params,
+                         _priority(body), body.get("user"))
+
+
+def _tools(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """`tools` and `tool_choice` as the job's own fields (docs/structured_outputs.md): the worker reads
+    or constrains the calls. No tools (or `[]`) with `tool_choice` absent or "none" is a plain chat."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not tools and choice in (None, "none"):
+        return {}
+    if tools is None:
+        raise bad("`tool_choice` is only allowed when `tools` are given", "tool_choice")
+    fields = {"tools": parse_tools(tools, lambda message, code=None: bad(message, "tools"))}
+    if choice is not None:
+        fields["tool_choice"] = parse_tool_choice(choice, tools, params,
+                                                  lambda message, code=None: bad(message, "tool_choice"))
+    return fields
 
 
 def _response_format(value: Any) -> dict[str, Any] | None:
@@ -232,27 +249,32 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
     return (top or 0) if wanted else None
 
 
-def _messages(messages: Any) -> list[dict[str, str]]:
+def _messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise bad("`messages` must be a non-empty list", "messages")
     return [_message(m, i) for i, m in enumerate(messages)]
 
 
-def _message(m: Any, i: int) -> dict[str, str]:
+def _message(m: Any, i: int) -> dict[str, Any]:
     param = f"messages[{i}]"
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise bad(f"{param} must be an object with a `role`", param)
     role = _ROLES.get(m["role"])
     if role is None:
-        raise bad(f"{param}: role {m['role']!r} is not supported (use system, developer, user or assistant)",
+        raise bad(f"{param}: role {m['role']!r} is not supported (use system, developer, user, assistant or tool)",
                   f"{param}.role")
-    extra = sorted(set(m) - {"role", "content", "name"})
+    extra = sorted(set(m) - {"role", "content", "name", *_MESSAGE_FIELDS.get(role, ())})
     if extra:
         raise bad(f"{param}: unsupported field(s) {extra}", f"{param}.{extra[0]}", "unsupported_parameter")
     content = m.get("content")
     if content is None and role == "assistant":
         content = ""
-    return {"role": role, "content": _content(content, param)}
+    if role == "tool" and not isinstance(m.get("tool_call_id"), str):
+        raise bad(f"{param}: a tool message needs the `tool_call_id` it answers", f"{param}.tool_call_id")
+    message: dict[str, Any] = {"role": role, "content": _content(content, param)}
+    # Checked, and put in the shape chat templates take, with the job (clients/chat_messages.py).
+    message.update({k: m[k] for k in _MESSAGE_FIELDS.get(role, ()) if m.get(k) is not None})
+    return message
 
 
 def _content(content: Any, param: str) -> str:

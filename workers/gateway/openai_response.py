@@ -11,6 +11,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from clients.chat_messages import merge_tool_call_deltas
+
 
 @dataclass
 class StreamMeta:
@@ -43,6 +45,7 @@ class _Choice:
     length: int = 0  # characters so far (completions' text_offset)
     logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # whole, OpenAI's message shape
 
 
 def _token_entry(text: str, logprob: float) -> dict[str, Any]:
@@ -99,8 +102,12 @@ class Assembler:
         logprobs = self._logprobs(choice, event)
         choice.text.append(text)
         choice.length += len(text)
+        calls = event.get("tool_calls")
+        if calls:  # the worker's deltas are OpenAI's delta.tool_calls already
+            merge_tool_call_deltas(choice.tool_calls, calls)
         if self.meta.kind == "chat":
-            return self._chunk([{"index": i, "delta": {"content": text},
+            delta = {"content": text} if not calls else {"content": text or None, "tool_calls": calls}
+            return self._chunk([{"index": i, "delta": delta,
                                  "logprobs": None if logprobs is None else {"content": logprobs},
                                  "finish_reason": None}])
         return self._chunk([{"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}])
@@ -173,8 +180,10 @@ class Assembler:
         text = "".join(c.text)
         if self.meta.kind == "chat":
             logprobs = None if self.meta.top_logprobs is None else {"content": c.logprobs}
-            return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                    "finish_reason": c.finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if c.tool_calls:  # OpenAI's content is null when the answer is only calls
+                message = {"role": "assistant", "content": text or None, "tool_calls": c.tool_calls}
+            return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason}
         logprobs = None
         if self.meta.top_logprobs is not None:
             logprobs = {key: [x for part in c.logprobs for x in part[key]]
