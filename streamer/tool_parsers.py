@@ -40,8 +40,6 @@ class ParsedOutput:
 class ToolParser:
     """Base: a streaming parser of one sample (feed, then finish once); `parse` reads a whole text."""
 
-    name = ""
-
     def __init__(self, make_id: IdMaker = index_ids) -> None:
         self.make_id = make_id
         self.out = Deltas()
