@@ -2,15 +2,15 @@
 policy does at a scale this machine cannot run for real (bench/routing.py runs 3 real workers).
 
     python bench/routing_sim.py [--workers 16,32,64] [--policies cache_load,cache,least_loaded,random,shared]
-                                [--load 0.7] [--sessions-per-worker 36] [--zipf 0] [--heartbeat-s 5]
+                                [--load 0.7] [--sessions-per-worker 36] [--zipf 0] [--heartbeat-s 0.25]
 
 What is real and what is modelled:
 
 - Routing is the real code: every job's chain is `clients.routing.prefix_chain` of its messages, and
-  `clients.routing.choose` decides, on `WorkerView`s built as `Router` builds them: load = the jobs a
-  worker held at its last heartbeat (every --heartbeat-s; 5 s is what a worker with the default
-  --claim-idle beats at) / its seats, re-read every 0.5 s (Router.refresh_s) and raised by 1/seats for
-  each job routed there since; matched = `clients.routing.matched_tokens` against the digests the
+  `clients.routing.choose` decides, on `WorkerView`s built as `Router` builds them: load = (the jobs a
+  worker held at its last load write, every --heartbeat-s, by default its accounting flush of 0.25 s,
+  + the jobs routed to it in the last `clients.routing.RECENT_S`) / its seats; matched =
+  `clients.routing.matched_tokens` against the digests the
   worker's `workers.worker.accounting.PrefixAdvert` had flushed to "Redis" (every FLUSH_S, its added and
   removed sets, as `Accounting` sends them). The advert is fed as the worker feeds it: the job's
   `prefix_chain` when it starts, its `answer_chain` when it finishes; a session's owner is written at
@@ -66,6 +66,7 @@ sys.path[0] = str(ROOT)  # bench/kernels.py must not shadow the `kernels` packag
 
 from clients.routing import (  # noqa: E402
     POLICIES,
+    RECENT_S,
     Segment,
     WorkerView,
     answer_chain,
@@ -79,7 +80,6 @@ from streamer.sampling_params import SamplingParams  # noqa: E402
 from workers.progress_display import task  # noqa: E402
 from workers.worker.accounting import FLUSH_S, PrefixAdvert  # noqa: E402
 
-ROUTER_REFRESH_S = 0.5  # Router(refresh_s=...)'s default
 MIN_MATCH_TOKENS = 64  # choose(min_match_tokens=...)'s default
 IM_START, IM_END, NEWLINE = 3, 4, 10  # template tokens; words are ids from FIRST_WORD_ID up
 ROLE_IDS = {"system": 5, "user": 6, "assistant": 7}
@@ -492,8 +492,7 @@ class Cluster:
         self.shared: deque[Job] = deque()
         self.readers: dict[str, float] = {}  # workers blocked on XREADGROUP: name -> since
         self.owners: dict[str, str] = {}  # session -> worker (the session key)
-        self.loads: dict[str, float] = {}
-        self.read_at = -math.inf
+        self.recent: dict[str, list[float]] = {}  # worker -> when jobs were routed to it
         self.rng = random.Random(args.seed)
         self.events: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self.counter = itertools.count()
@@ -551,12 +550,12 @@ class Cluster:
             self.sessions_left -= 1
 
     def route(self, job: Job, now: float) -> SimWorker | None:
-        """The Router's decision, with the real choose() on views built as Router._views builds them."""
-        if now - self.read_at >= ROUTER_REFRESH_S:
-            self.loads = {w.name: w.beat_jobs / w.seats for w in self.workers}
-            self.read_at = now
+        """The Router's decision, with the real choose() on views built as Router._views builds them:
+        load = jobs held at the worker's last load write + jobs routed to it in the last RECENT_S."""
         chain = job.chain
-        views = [WorkerView(w.name, self.loads[w.name],
+        for name, times in self.recent.items():
+            self.recent[name] = [t for t in times if now - t < RECENT_S]
+        views = [WorkerView(w.name, (w.beat_jobs + len(self.recent.get(w.name, []))) / w.seats,
                             matched_tokens(chain, [s.digest in w.published for s in chain])) for w in self.workers]
         decision = choose(self.policy, views, self.owners.get(job.session.id), min_match_tokens=MIN_MATCH_TOKENS,
                           rng=self.rng)
@@ -565,7 +564,7 @@ class Cluster:
         if not routed:
             return None
         worker = self.by_name[decision.worker]
-        self.loads[worker.name] += 1 / worker.seats
+        self.recent.setdefault(worker.name, []).append(now)
         if decision.outcome in ("hit", "session"):
             job.routed_for_prefix = next(v.matched for v in views if v.name == worker.name)
         return worker
@@ -661,8 +660,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--num-kv-blocks", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--heartbeat-s", type=float, default=5.0,
-                    help="how often workers publish the jobs they hold (5: the default --claim-idle's)")
+    ap.add_argument("--heartbeat-s", type=float, default=FLUSH_S,
+                    help="how often workers publish the jobs they hold (their accounting flush: 0.25 s)")
     ap.add_argument("--step-checkpoint", choices=("tiny", "110m"), default="tiny",
                     help="the random checkpoint whose engine steps are measured")
     ap.add_argument("--step-model", default=None, help="A,B: seconds = A + B x tokens, instead of measuring")
