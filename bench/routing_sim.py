@@ -8,8 +8,8 @@ What is real and what is modelled:
 
 - Routing is the real code: every job's chain is `clients.routing.prefix_chain` of its messages, and
   `clients.routing.choose` decides, on `WorkerView`s built as `Router` builds them: load = (the jobs a
-  worker held at its last load write, every --heartbeat-s, by default its accounting flush of 0.25 s,
-  + the jobs routed to it in the last `clients.routing.RECENT_S`) / its seats; matched =
+  worker held from the shared lanes at its last load write, every --heartbeat-s, by default its
+  accounting flush of 0.25 s, + its own stream's length, read fresh) / its seats; matched =
   `clients.routing.matched_tokens` against the digests the
   worker's `workers.worker.accounting.PrefixAdvert` had flushed to "Redis" (every FLUSH_S, its added and
   removed sets, as `Accounting` sends them). The advert is fed as the worker feeds it: the job's
@@ -66,7 +66,6 @@ sys.path[0] = str(ROOT)  # bench/kernels.py must not shadow the `kernels` packag
 
 from clients.routing import (  # noqa: E402
     POLICIES,
-    RECENT_S,
     Segment,
     WorkerView,
     answer_chain,
@@ -256,6 +255,7 @@ class Job:
     cached: int = -1  # the BlockManager's prefix hit when it was first admitted
     outcome: str = ""
     routed_for_prefix: int = 0  # the advertised match the router went by (0: not routed for a prefix)
+    routed: bool = False  # sent to a worker's own stream
 
     @property
     def as_dict(self) -> dict[str, Any]:
@@ -312,7 +312,7 @@ class SimWorker:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.jobs: dict[int, Job] = {}  # seq_id -> job
-        self.beat_jobs = 0  # jobs held at its last heartbeat
+        self.beat_jobs = 0  # jobs held from the shared lanes at its last load write
         self.busy = False
         self.stretch: tuple[float, float, int, list[tuple[Sequence, int]]] = (0.0, 0.0, 0, [])
         self.version = 0  # of the pending step-end event (older ones are ignored)
@@ -320,6 +320,16 @@ class SimWorker:
     @property
     def held(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    @property
+    def shared_held(self) -> int:
+        """What the worker writes into `Names.loads`: jobs held from the shared lanes."""
+        return sum(1 for job in self.jobs.values() if not job.routed)
+
+    @property
+    def own_stream_length(self) -> int:
+        """XLEN of its own stream: routed jobs not finished (unread, or read and running)."""
+        return len(self.own) + sum(1 for job in self.jobs.values() if job.routed)
 
     def capacity(self) -> int:
         """The engine's admission_capacity (jobs taken but not admitted are in `waiting`)."""
@@ -492,7 +502,6 @@ class Cluster:
         self.shared: deque[Job] = deque()
         self.readers: dict[str, float] = {}  # workers blocked on XREADGROUP: name -> since
         self.owners: dict[str, str] = {}  # session -> worker (the session key)
-        self.recent: dict[str, list[float]] = {}  # worker -> when jobs were routed to it
         self.rng = random.Random(args.seed)
         self.events: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self.counter = itertools.count()
@@ -518,7 +527,7 @@ class Cluster:
 
     # --- periodic ---
     def beat(self, now: float, w: SimWorker) -> None:
-        w.beat_jobs = w.held
+        w.beat_jobs = w.shared_held
         self.at(now + self.args.heartbeat_s, self.beat, w)
 
     def flush(self, now: float) -> None:
@@ -551,11 +560,9 @@ class Cluster:
 
     def route(self, job: Job, now: float) -> SimWorker | None:
         """The Router's decision, with the real choose() on views built as Router._views builds them:
-        load = jobs held at the worker's last load write + jobs routed to it in the last RECENT_S."""
+        load = (shared-lane jobs at the worker's last load write + its own stream's length) / seats."""
         chain = job.chain
-        for name, times in self.recent.items():
-            self.recent[name] = [t for t in times if now - t < RECENT_S]
-        views = [WorkerView(w.name, (w.beat_jobs + len(self.recent.get(w.name, []))) / w.seats,
+        views = [WorkerView(w.name, (w.beat_jobs + w.own_stream_length) / w.seats,
                             matched_tokens(chain, [s.digest in w.published for s in chain])) for w in self.workers]
         decision = choose(self.policy, views, self.owners.get(job.session.id), min_match_tokens=MIN_MATCH_TOKENS,
                           rng=self.rng)
@@ -564,7 +571,7 @@ class Cluster:
         if not routed:
             return None
         worker = self.by_name[decision.worker]
-        self.recent.setdefault(worker.name, []).append(now)
+        job.routed = True
         if decision.outcome in ("hit", "session"):
             job.routed_for_prefix = next(v.matched for v in views if v.name == worker.name)
         return worker

@@ -104,7 +104,8 @@ class Names:
 
     @property
     def loads(self) -> str:
-        """Hash worker -> jobs it holds now, written by each worker several times a second (routing)."""
+        """Hash worker -> jobs it holds from the shared lanes (not its own stream), written by each worker
+        several times a second (routing)."""
         return f"{self.shared}:loads"
 
     def worker_prefixes(self, name: str) -> str:

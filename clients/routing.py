@@ -37,7 +37,6 @@ POLICIES = ("cache_load", "cache", "least_loaded", "random", "shared")
 # Outcomes counted by the gateway's metrics and shown by `streamer top`.
 # balanced: sent to a worker by load alone (the `random` and `least_loaded` baselines).
 OUTCOMES = ("session", "hit", "miss", "fallback", "shared", "balanced")
-RECENT_S = 1.0  # a job routed this recently may not be in its worker's load count yet
 
 
 @dataclass(frozen=True)
@@ -180,10 +179,11 @@ def lane_route(names: Names, job: dict[str, Any], outcome: str = "shared") -> Ro
 
 class Router:
     """Routes jobs for one submitter (the gateway, an AsyncClient). Which workers are live and how many
-    seats each has is read from their heartbeats at most every `refresh_s`; how many jobs each holds
-    comes from `Names.loads` (written by every worker each FLUSH_S) in the same round trip as the
-    prefix lookup, plus the jobs routed here since (`_recent`), so a burst does not all land on the
-    one worker that looked idle."""
+    seats each has is read from their heartbeats at most every `refresh_s`. A worker's load is read
+    in the same round trip as the prefix lookup: the jobs it holds from the shared lanes (`Names.loads`,
+    written by every worker each 250 ms; it takes those only as its seats free up) plus the length of
+    its own stream (the routed jobs it has not finished: exact at that moment, whoever routed them),
+    so a burst does not all land on the one worker that looked idle."""
 
     def __init__(self, redis: Any, names: Names, policy: str = "cache_load", *, min_match_tokens: int = 64,
                  refresh_s: float = 0.5) -> None:
@@ -192,7 +192,6 @@ class Router:
         self.redis, self.names, self.policy = redis, names, policy
         self.min_match_tokens, self.refresh_s = min_match_tokens, refresh_s
         self._capacity: dict[str, int] = {}  # live worker -> seats (max_num_seqs)
-        self._recent: dict[str, list[float]] = {}  # worker -> when jobs were routed to it (monotonic)
         self._read_at = float("-inf")
         self._live = live_script(redis)
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
@@ -213,7 +212,6 @@ class Router:
         decision = choose(self.policy, views, owner, min_match_tokens=self.min_match_tokens)
         if decision.worker is None:
             return lane_route(self.names, job, decision.outcome)
-        self._recent.setdefault(decision.worker, []).append(time.monotonic())
         return Route(self.names.worker_requests(decision.worker), None, decision.outcome, decision.worker)
 
     async def _views(self, chain: list[Segment], session: str | None) -> tuple[list[WorkerView], str | None]:
@@ -222,22 +220,17 @@ class Router:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hmget(self.names.loads, workers)
             pipe.get(self.names.session(session or ""))
+            for name in workers:
+                pipe.xlen(self.names.worker_requests(name))
             for name in workers if digests else []:
                 pipe.smismember(self.names.worker_prefixes(name), digests)
-            held_jobs, owner, *held = await pipe.execute(raise_on_error=False)
-        held = held if digests else [[] for _ in workers]
-        jobs = held_jobs if isinstance(held_jobs, list) else [None] * len(workers)
-        views = [WorkerView(name, self._load(name, n), matched_tokens(chain, h) if isinstance(h, list) else 0)
-                 for name, n, h in zip(workers, jobs, held, strict=True)]
+            shared_jobs, owner, *rest = await pipe.execute(raise_on_error=False)
+        routed, held = rest[:len(workers)], rest[len(workers):] if digests else [[] for _ in workers]
+        shared = shared_jobs if isinstance(shared_jobs, list) else [None] * len(workers)
+        views = [WorkerView(name, (_count(s) + _count(r)) / self._capacity[name],
+                            matched_tokens(chain, h) if isinstance(h, list) else 0)
+                 for name, s, r, h in zip(workers, shared, routed, held, strict=True)]
         return views, _text(owner) if session else None
-
-    def _load(self, worker: str, held: Any) -> float:
-        """Jobs it held at its last flush, plus those routed to it since (which that flush may not
-        have counted yet), over its seats."""
-        now = time.monotonic()
-        recent = [t for t in self._recent.get(worker, []) if now - t < RECENT_S]
-        self._recent[worker] = recent
-        return (_count(held) + len(recent)) / self._capacity[worker]
 
     async def _refresh(self) -> None:
         if time.monotonic() - self._read_at < self.refresh_s:
@@ -248,7 +241,7 @@ class Router:
 
 
 def _count(value: Any) -> int:
-    """A load field as Redis returned it (bytes, or None when the worker has not flushed yet)."""
+    """A count as Redis returned it (bytes or int; None or an error: nothing known, 0)."""
     try:
         return max(0, int(value))
     except (TypeError, ValueError):

@@ -93,13 +93,14 @@ class _Pending:
 
 class Accounting:
     """`capacity()`: tokens the engine's KV cache holds (what the advertised prefixes add up to, at
-    most); `held()`: jobs the worker holds (read by routers, several times a second)."""
+    most); `held()`: jobs the worker holds from the shared lanes (read by routers, several times a
+    second)."""
 
     def __init__(self, redis: Redis, names: Names, consumer: str, ttl_ms: int,
                  capacity: Callable[[], int] = lambda: 0, held: Callable[[], int] = lambda: 0) -> None:
         self.redis, self.names, self.consumer, self.ttl_ms = redis, names, consumer, ttl_ms
         self.prefixes = PrefixAdvert(capacity)
-        self.held = held  # jobs this worker holds now (its load, for routers)
+        self.held = held  # jobs this worker holds from the shared lanes (its load, for routers)
         self._pending = _Pending()
         self._charge = redis.register_script(_CHARGE)
         self._rewritten = float("-inf")

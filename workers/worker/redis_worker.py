@@ -72,7 +72,7 @@ class Worker:
         # Prefixes, sessions and tenants' accounts, advertised for routing and fair sharing; kept three
         # heartbeats, like the stats hash.
         self.accounting = Accounting(self.redis, self.names, config.consumer, int(config.heartbeat_s * 3000),
-                                     capacity=self._kv_tokens, held=lambda: self.state.held)
+                                     capacity=self._kv_tokens, held=self._shared_jobs)
         self.runner = JobRunner(engine, config, self.state, self.answers, Attempts(self.redis, self.names), m,
                                 self.accounting)
         self.streams = StreamSet(self.redis, self.names, config.consumer)
@@ -164,6 +164,11 @@ class Worker:
             log.warning("worker %s: grace period over, leaving %s to other workers", cfg.consumer,
                         sorted(state.running))
         jobs.cancel_scope.cancel()
+
+    def _shared_jobs(self) -> int:
+        """Jobs held from the shared lanes: routers count the routed ones from its own stream."""
+        own = self.names.worker_requests(self.cfg.consumer)
+        return sum(1 for stream, _ in self.state.pending_entries if stream != own)
 
     def _kv_tokens(self) -> int:
         """Tokens the engine's KV cache holds (what the prefix advertisement is bounded by)."""
