@@ -143,18 +143,9 @@ def build_job(request_id: str, prompt: str | None, messages: list[dict[str, Any]
     if len(given) != 1:
         raise ValueError("give exactly one of prompt, messages, prompt_token_ids")
     job.update(given)
-    if priority is not None:
-        job["priority"] = priority
-    if deadline is not None:
-        job["deadline"] = deadline
-    if tools is not None:
-        job["tools"] = tools
-    if tool_choice is not None:
-        job["tool_choice"] = tool_choice
-    if session is not None:
-        job["session"] = session
-    if tenant is not None:
-        job["tenant"] = tenant
+    optional = {"priority": priority, "deadline": deadline, "tools": tools, "tool_choice": tool_choice,
+                "session": session, "tenant": tenant}
+    job.update({k: v for k, v in optional.items() if v is not None})
     return job
 
 

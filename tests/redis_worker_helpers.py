@@ -65,6 +65,14 @@ def worker_process(ckpt: Path, redis_url: str, *extra: str, log_path: Path | Non
         return subprocess.Popen(args, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
+def kill_all(procs: dict[str, subprocess.Popen]) -> None:
+    """The end of a test with worker processes: whichever still run are killed and reaped."""
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def offline_completions(ckpt: Path, prompts: list[Any], params: SamplingParams) -> list[tuple[list[int], str]]:
     """Sample-0 (tokens, text) of each prompt from the offline engine: what Redis must deliver."""
     llm = LLM(**{"model": str(ckpt), **ENGINE})

@@ -13,6 +13,7 @@ import pytest
 import redis
 from redis_worker_helpers import (
     check_complete,
+    kill_all,
     long_context_checkpoint,
     offline_tokens,
     read_events,
@@ -162,10 +163,7 @@ async def test_a_routed_jobs_worker_killed_mid_answer(tmp_path: Path, redis_url:
         procs["w-b"].send_signal(signal.SIGTERM)
         assert procs["w-b"].wait(30) == 0
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(procs)
         for name in procs:  # shown when the test fails
             print(f"--- {name}'s log ---\n" + (tmp_path / f"{name}.log").read_text()[-4000:])
     stored = read_events(redis_url, rid)  # seq contiguous (checked against the stream ids)

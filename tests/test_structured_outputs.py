@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 import jsonschema
 import pytest
-from redis_worker_helpers import running_worker
+from redis_worker_helpers import kill_all, running_worker
 
 from clients.redis_client import AsyncClient, RequestFailed
 from streamer import EngineConfig, LLMEngine, SamplingParams
@@ -262,10 +262,7 @@ async def test_a_constrained_job_resumed_after_its_worker_is_killed_stays_valid(
         procs[victim].wait(10)
         results = await collect_all(redis_url, [rid], timeout=60)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(procs)
         r.close()
     events = read_events(redis_url, rid)
     assert results[rid] == events and events[-1]["finish_reason"] == "stop"

@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 import jsonschema
 import pytest
-from redis_worker_helpers import read_events, running_worker, text_of, tokens_of
+from redis_worker_helpers import kill_all, read_events, running_worker, text_of, tokens_of
 from test_tool_messages import TEMPLATE as HERMES_TEMPLATE
 from transformers import AutoTokenizer
 
@@ -253,10 +253,7 @@ async def test_a_tool_call_job_resumed_after_its_worker_is_killed_streams_the_sa
         procs[victim].wait(10)
         await collect_all(redis_url, [rid], timeout=60)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(procs)
         r.close()
     events = read_events(redis_url, rid)
     survivor = next(n for n in procs if n != victim)

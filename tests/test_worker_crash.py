@@ -10,6 +10,7 @@ import pytest
 import redis
 from redis_worker_helpers import (
     check_complete,
+    kill_all,
     long_context_checkpoint,
     offline_completions,
     offline_tokens,
@@ -94,10 +95,7 @@ async def test_sigkill_one_of_two_workers(llama_ckpt, redis_url, tmp_path):
         procs[survivor].send_signal(signal.SIGTERM)
         assert procs[survivor].wait(30) == 0, (tmp_path / f"{survivor}.log").read_text()[-3000:]
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(procs)
     assert partial, "a job was killed mid-generation"
     for rid, (exp_tokens, exp_text) in zip(ids, [*expected, expected_seeded], strict=True):
         events = read_events(redis_url, rid)  # contiguous seq, checked against the stream ids

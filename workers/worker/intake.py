@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -25,6 +26,7 @@ from workers.worker.state import Delivery, WorkerState, as_str
 from workers.worker.streams import StreamSet, Taken
 
 log = logging.getLogger("streamer.worker")
+Reader = Callable[[int], Awaitable[list[Taken]]]  # up to this many new entries
 
 # Claim a request id for a job entry: the first entry to claim an id owns it (later ones are
 # duplicates). The owner's claim raises the id's fence (ownership epoch), so writes of a worker that
@@ -80,22 +82,24 @@ class Intake:
         (together they may overshoot by a job each: the engine queues those)."""
         streams = self.names.request_streams
         if len(streams) == 1:
-            await self._take_loop(jobs)
+            await self._read_loop(self._take_or_wait, self.streams.take, jobs)
         elif not self.names.cluster:
-            await self._read_streams(streams, 1, jobs)
+            await self._read_loop(*self._sharded(streams), jobs)
         else:
             async with anyio.create_task_group() as readers:
                 for stream in streams:
-                    readers.start_soon(self._read_streams, [stream], len(streams), jobs)
+                    readers.start_soon(self._read_loop, *self._sharded([stream]), jobs, len(streams))
 
-    async def _take_loop(self, jobs: TaskGroup) -> None:
+    async def _read_loop(self, first: Reader, more: Reader, jobs: TaskGroup, readers: int = 1) -> None:
+        """Wait for capacity, `first(count)` (blocks until something comes), then, after a partial
+        read, `more(rest)` (does not block), and start what was taken."""
         backoff = Backoff("read", log)
         while True:
             count = await self.state.wait_capacity()
+            if readers > 1:
+                count = max(1, count // readers)
             try:
-                taken = await self.streams.take(count)
-                if not taken:  # all empty: wait for the next job wherever it comes
-                    taken = await self.streams.wait_any(self.cfg.block_ms)
+                taken = await first(count)
                 backoff.reset()
             except ResponseError as e:
                 await self.refused("read", e, backoff)
@@ -104,40 +108,26 @@ class Intake:
                 await backoff.sleep(e)
                 continue
             if 0 < len(taken) < count and self.cfg.read_linger_ms > 0:
-                await anyio.sleep(self.cfg.read_linger_ms / 1000)  # gather a burst (see _read_streams)
-                with contextlib.suppress(*TRANSIENT):
-                    taken += await self.streams.take(count - len(taken))
-            await self.start_batch(taken, jobs)
-
-    async def _read_streams(self, streams: list[str], readers: int, jobs: TaskGroup) -> None:
-        backoff = Backoff("read", log)
-        while True:
-            count = await self.state.wait_capacity()
-            if readers > 1:
-                count = max(1, count // readers)
-            try:
-                entries = await self._read(streams, count, self.cfg.block_ms)
-                backoff.reset()
-            except ResponseError as e:
-                await self.refused("read", e, backoff)
-                continue
-            except TRANSIENT as e:
-                await backoff.sleep(e)
-                continue
-            if 0 < len(entries) < count and self.cfg.read_linger_ms > 0:
                 # Jobs pushed in a burst arrive over a few ms: gather them so they enter the engine
                 # together (one prefill batch) instead of one step apart.
                 await anyio.sleep(self.cfg.read_linger_ms / 1000)
                 with contextlib.suppress(*TRANSIENT):
-                    entries += await self._read(streams, count - len(entries), None)
-            await self.start_batch([Taken(stream, entry_id, fields) for stream, entry_id, fields in entries], jobs)
+                    taken += await more(count - len(taken))
+            await self.start_batch(taken, jobs)
 
-    async def _read(self, streams: list[str], count: int, block_ms: int | None) -> list[tuple[str, Any, Any]]:
-        """(stream, entry id, fields) of up to `count` new entries of `streams` (in total, about)."""
-        reply = await self.redis.xreadgroup(self.names.group, self.cfg.consumer, dict.fromkeys(streams, ">"),
-                                            count=count, block=block_ms)
-        return [(as_str(stream), entry_id, fields) for stream, entries in reply or []
-                for entry_id, fields in entries]
+    async def _take_or_wait(self, count: int) -> list[Taken]:
+        """In lane and fair-share order (streams.py); all empty: the next job wherever it comes."""
+        return await self.streams.take(count) or await self.streams.wait_any(self.cfg.block_ms)
+
+    def _sharded(self, streams: list[str]) -> tuple[Reader, Reader]:
+        """Readers of sharded streams: one XREADGROUP over them, blocking or not."""
+        async def read(count: int, block_ms: int | None) -> list[Taken]:
+            reply = await self.redis.xreadgroup(self.names.group, self.cfg.consumer, dict.fromkeys(streams, ">"),
+                                                count=count, block=block_ms)
+            return [Taken(as_str(stream), entry_id, fields) for stream, entries in reply or []
+                    for entry_id, fields in entries]
+
+        return (lambda count: read(count, self.cfg.block_ms)), (lambda count: read(count, None))
 
     async def refused(self, what: str, error: ResponseError, backoff: Backoff) -> None:
         """Redis answered with an error: a lost group is recreated; anything else (out of memory, a
