@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from clients.backoff import TRANSIENT
 from clients.errors import ProtocolError
-from clients.progress import JobStatus
+from clients.progress import JobStatus, Placement
 from clients.protocol import ID_RE, VERSION, Limits, readable_id
 from workers.gateway.admission import check_job
 from workers.gateway.config import GatewayConfig
@@ -108,8 +108,8 @@ class Session:
         # (time.monotonic()), for the time-to-first-token histogram. Resumes are not timed.
         self._pushed_at: dict[str, float] = {}
         # Requests whose client asked for `status` frames (`"progress": true`) until their first event:
-        # id -> ordinal in its stream (None: not known), and the status last sent.
-        self.progress: dict[str, int | None] = {}
+        # id -> where it was pushed (its stream and ordinal there), and the status last sent.
+        self.progress: dict[str, Placement] = {}
         self._sent_status: dict[str, JobStatus] = {}
         self._queue: deque[tuple[str, int]] = deque()
         self._queued_bytes = 0
@@ -256,9 +256,9 @@ class Session:
             await self._watch(rid, 0, catch_up=False)
             self.send(json.dumps(self._accepted(rid)))
             self._pushed_at[rid] = time.monotonic()  # before the push: a token can arrive before it returns
-            ordinal = await self.hub.push(job)
+            placement = await self.hub.push(job)
             if _wants_progress(obj):
-                self.progress[rid] = ordinal
+                self.progress[rid] = placement
         except BaseException:
             self._forget(rid)
             with contextlib.suppress(Exception):  # so that a retry with the same id is not a duplicate

@@ -108,6 +108,8 @@ class ToolCalls:
         self._parser(sample).feed(text)
 
     def finish_reason(self, sample: int, reason: str) -> str:
-        """`tool_calls` for a sample that stopped after making calls (a cut one keeps `length`)."""
+        """`tool_calls` for a sample that stopped after making calls (a cut one keeps `length`); a
+        named function's call ends with `stop`, as OpenAI ends a forced call."""
         parser = self.parsers.get(sample)
-        return "tool_calls" if reason == "stop" and parser is not None and parser.calls else reason
+        made_calls = parser is not None and bool(parser.calls)
+        return "tool_calls" if reason == "stop" and made_calls and self.function is None else reason
