@@ -23,8 +23,9 @@ from workers.cli.main import command_parser
 from workers.errors import UserError
 from workers.gateway.command import config_from_args
 from workers.gateway.config import GatewayConfig
+from workers.gateway.keys_file import TenantLimits, read_keys_file
 from workers.gateway.server import Gateway, running_gateway
-from workers.gateway.tenants import DEFAULT_MAX_TOKENS, TenantLimits, charge, read_keys_file
+from workers.gateway.tenants import DEFAULT_MAX_TOKENS, charge
 
 KEYS = {"ka": "acme", "kb": "beta"}
 

@@ -200,8 +200,8 @@ async def test_a_tenants_slot_is_freed_by_the_worker_when_its_job_ends(llama_ckp
     import httpx
     from test_gateway import config
 
+    from workers.gateway.keys_file import TenantLimits
     from workers.gateway.server import running_gateway
-    from workers.gateway.tenants import TenantLimits
 
     gw_config = config(redis_url, api_keys=("k1",), tenants={"solo": TenantLimits(max_concurrent=1)},
                        key_tenants={"k1": "solo"})

@@ -11,8 +11,8 @@ from pathlib import Path
 from clients.routing import POLICIES
 from workers.arg_types import port_number, priority_lanes, redis_url
 from workers.gateway.config import GatewayConfig
+from workers.gateway.keys_file import KeysFile, read_keys_file
 from workers.gateway.server import running_gateway
-from workers.gateway.tenants import KeysFile, read_keys_file
 from workers.redis_options import add_pool_arguments, check_redis
 
 log = logging.getLogger("streamer.gateway")

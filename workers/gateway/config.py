@@ -6,7 +6,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workers.gateway.tenants import TenantLimits
+from workers.gateway.keys_file import TenantLimits
 from workers.redis_options import DEFAULT_MAX_CONNECTIONS, DEFAULT_POOL_TIMEOUT_S
 
 # The chat page ships in the client package: clients/web/.
