@@ -77,7 +77,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, sca
     top = torch.maximum(lse1, lse2)
     w1 = (lse1 - top).exp_().unsqueeze(-1)
     w2 = (lse2 - top).exp_().unsqueeze(-1)
-    return (o1 * w1 + o2 * w2) / (w1 + w2)
+    # Merged in float32 (the log-sum-exps are float32 already): in bfloat16 the weighted sum
+    # would round twice more than the reference's one fused call.
+    return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(q.dtype)
 
 
 def _short_extends(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -1,6 +1,8 @@
-"""RMSNorm, rotary embedding and SiLU-and-mul compiled for the CPU (csrc/elementwise_cpu.cpp),
-float32. Defined by `rms_norm_ref`, `rotary_embedding_ref` and `silu_and_mul_ref`: same inputs,
-same outputs; the residual form updates its inputs in place, as vLLM's does."""
+"""RMSNorm, rotary embedding, SiLU-and-mul and the KV-cache write compiled for the CPU
+(csrc/elementwise_cpu.cpp), float32 and bfloat16. Defined by `rms_norm_ref`,
+`rotary_embedding_ref`, `silu_and_mul_ref` and `reshape_and_cache_ref`: same inputs, same outputs
+(bfloat16 rounded where the references round); the residual form updates its inputs in place,
+as vLLM's does."""
 
 from __future__ import annotations
 
@@ -27,3 +29,8 @@ def rotary_embedding_cpu(positions: torch.Tensor, query: torch.Tensor, key: torc
 
 def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     return module().silu_and_mul(x)
+
+
+def reshape_and_cache_cpu(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                          value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    module().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)

@@ -7,5 +7,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual add + RMSNorm, in place (CPU)");
   m.def("rotary_embedding", &rotary_embedding, "NeoX-style rotary embedding, in place (CPU)");
+  m.def("reshape_and_cache", &reshape_and_cache, "K/V rows into their cache slots (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");
 }

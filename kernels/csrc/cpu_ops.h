@@ -1,4 +1,5 @@
-// The CPU kernels, float32. Each is defined by a torch reference in kernels/.
+// The CPU kernels (decode attention in any float type; the rest float32 and bfloat16). Each is
+// defined by a torch reference in kernels/.
 #pragma once
 #include <torch/extension.h>
 
@@ -15,3 +16,6 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tenso
                       torch::Tensor cos_sin_cache, int64_t head_size);
 // kernels/activation.py: silu_and_mul_ref
 torch::Tensor silu_and_mul(torch::Tensor x);
+// kernels/cache_ops.py: reshape_and_cache_ref, any dtype (rows are copied bytewise)
+void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
+                       torch::Tensor slot_mapping);

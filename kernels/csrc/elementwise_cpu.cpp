@@ -1,48 +1,113 @@
-// The small per-token ops of a Llama layer for CPUs, float32: RMSNorm (alone and fused with the
-// residual add before it), rotary embedding and SiLU-and-mul. Their torch references run 3-8
-// separate ATen ops each, every one a full pass over the activations plus dispatch overhead
-// (16 ms of a 164 ms decode step at batch 64 on 2 cores); here each is one pass, parallel over
-// tokens.
+// The small per-token ops of a Llama layer for CPUs, float32 and bfloat16: RMSNorm (alone and
+// fused with the residual add before it), rotary embedding, SiLU-and-mul and the KV-cache write.
+// Their torch references run 3-8 separate ATen ops each, every one a full pass over the
+// activations plus dispatch overhead (16 ms of a 164 ms decode step at batch 64 on 2 cores);
+// here each is one pass, parallel over tokens.
+//
+// bfloat16 is computed in float32 and rounded (to nearest even) wherever the reference's
+// separate bfloat16 ops round, so the result is the reference's up to the order of a sum.
 #include "cpu_ops.h"
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 
 namespace {
 
 // Rows per task: small batches (decode) stay on one thread unless there is enough work to split.
 constexpr int64_t kGrain = 16;
 
+// How a stored element becomes a float and back. bfloat16 is the top half of a float32, so both
+// directions are integer shifts that vectorize (c10's conversions do not, inside these loops).
+template <typename T>
+struct Num {
+  using raw = float;
+  static float get(raw v) { return v; }
+  static raw put(float v) { return v; }
+};
+
+template <>
+struct Num<at::BFloat16> {
+  using raw = uint16_t;
+  static float get(raw v) {
+    const uint32_t u = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+  }
+  static raw put(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    return static_cast<raw>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  }
+};
+
+// The float a value holds once stored as T: where the reference rounds between two ops.
+template <typename T>
+inline float rnd(float v) {
+  return Num<T>::get(Num<T>::put(v));
+}
+
+template <typename T>
+typename Num<T>::raw* raw_ptr(const torch::Tensor& t) {
+  return reinterpret_cast<typename Num<T>::raw*>(t.data_ptr());
+}
+
 void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32");
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16, name,
+              " must be float32 or bfloat16");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [tokens, hidden] with contiguous rows");
 }
 
-inline float inv_rms(const float* x, int64_t n, float eps) {
+// Calls f.template operator()<T>() with T the C++ type of `dtype` (float or at::BFloat16).
+template <typename F>
+void dispatch(at::ScalarType dtype, F&& f) {
+  if (dtype == torch::kBFloat16)
+    f(at::BFloat16{});
+  else
+    f(float{});
+}
+
+template <typename T>
+inline float inv_rms(const typename Num<T>::raw* x, int64_t n, float eps) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = Num<T>::get(x[i]);
+    sum += v * v;
+  }
   return 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+}
+
+// out = weight * T(x * inv_rms): the reference scales in float32, rounds, then multiplies by
+// the weight in T.
+template <typename T>
+inline void scale_row(const typename Num<T>::raw* x, const typename Num<T>::raw* w, typename Num<T>::raw* out,
+                      int64_t n, float r) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = Num<T>::put(Num<T>::get(w[i]) * rnd<T>(Num<T>::get(x[i]) * r));
 }
 
 }  // namespace
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   check_rows(x, "x");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and x differ in dtype");
   weight = weight.contiguous();
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
   const int64_t n = x.size(1), ld = x.stride(0);
-  const float* xp = x.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, x.size(0), kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* row = xp + t * ld;
-      float* o = op + t * n;
-      const float r = inv_rms(row, n, static_cast<float>(eps));
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) o[i] = (row[i] * r) * w[i];
-    }
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const auto* xp = raw_ptr<T>(x);
+    const auto* w = raw_ptr<T>(weight);
+    auto* op = raw_ptr<T>(out);
+    at::parallel_for(0, x.size(0), kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const auto* row = xp + t * ld;
+        scale_row<T>(row, w, op + t * n, n, inv_rms<T>(row, n, static_cast<float>(eps)));
+      }
+    });
   });
   return out;
 }
@@ -51,62 +116,77 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
   check_rows(x, "x");
   check_rows(residual, "residual");
   TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual differ in shape");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && residual.scalar_type() == x.scalar_type(),
+              "x, residual and weight differ in dtype");
   weight = weight.contiguous();
   const int64_t n = x.size(1), ldx = x.stride(0), ldr = residual.stride(0);
-  float* xp = x.data_ptr<float>();
-  float* rp = residual.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  at::parallel_for(0, x.size(0), kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      float* xr = xp + t * ldx;
-      float* rr = rp + t * ldr;
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    auto* xp = raw_ptr<T>(x);
+    auto* rp = raw_ptr<T>(residual);
+    const auto* w = raw_ptr<T>(weight);
+    at::parallel_for(0, x.size(0), kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        auto* xr = xp + t * ldx;
+        auto* rr = rp + t * ldr;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) rr[i] += xr[i];
-      const float r = inv_rms(rr, n, static_cast<float>(eps));
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) xr[i] = (rr[i] * r) * w[i];
-    }
+        for (int64_t i = 0; i < n; ++i) rr[i] = Num<T>::put(Num<T>::get(rr[i]) + Num<T>::get(xr[i]));
+        scale_row<T>(rr, w, xr, n, inv_rms<T>(rr, n, static_cast<float>(eps)));
+      }
+    });
   });
 }
+
+namespace {
+
+// One token's heads rotated in place. The reference multiplies, subtracts and adds in T, with
+// cos and sin first rounded to T.
+template <typename T>
+void rotate_heads(typename Num<T>::raw* row, int64_t heads, int64_t head_size, const float* c, const float* s) {
+  const int64_t half = head_size / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    auto* x1 = row + h * head_size;
+    auto* x2 = x1 + half;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = Num<T>::get(x1[i]), b = Num<T>::get(x2[i]);
+      const float ci = rnd<T>(c[i]), si = rnd<T>(s[i]);
+      x1[i] = Num<T>::put(rnd<T>(a * ci) - rnd<T>(b * si));
+      x2[i] = Num<T>::put(rnd<T>(b * ci) + rnd<T>(a * si));
+    }
+  }
+}
+
+}  // namespace
 
 void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tensor key,
                       torch::Tensor cos_sin_cache, int64_t head_size) {
   check_rows(query, "query");
   check_rows(key, "key");
+  TORCH_CHECK(key.scalar_type() == query.scalar_type(), "query and key differ in dtype");
   TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.dim() == 1, "positions must be int64 [T]");
   TORCH_CHECK(cos_sin_cache.scalar_type() == torch::kFloat32 && cos_sin_cache.size(1) == head_size,
               "cos_sin_cache must be float32 [max_position, head_size]");
   positions = positions.contiguous();
   cos_sin_cache = cos_sin_cache.contiguous();
-  const int64_t half = head_size / 2;
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float* cache = cos_sin_cache.data_ptr<float>();
   const int64_t max_pos = cos_sin_cache.size(0);
-  auto rotate = [&](float* rows, int64_t ld, int64_t heads, int64_t t) {
-    const float* c = cache + pos[t] * head_size;
-    const float* s = c + half;
-    for (int64_t h = 0; h < heads; ++h) {
-      float* x1 = rows + t * ld + h * head_size;
-      float* x2 = x1 + half;
-#pragma omp simd
-      for (int64_t i = 0; i < half; ++i) {
-        const float a = x1[i], b = x2[i];
-        x1[i] = a * c[i] - b * s[i];
-        x2[i] = b * c[i] + a * s[i];
-      }
-    }
-  };
   for (int64_t t = 0; t < positions.size(0); ++t)
     TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " outside the rotary table");
-  float* q = query.data_ptr<float>();
-  float* k = key.data_ptr<float>();
   const int64_t qh = query.size(1) / head_size, kh = key.size(1) / head_size;
   const int64_t ldq = query.stride(0), ldk = key.stride(0);
-  at::parallel_for(0, positions.size(0), kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      rotate(q, ldq, qh, t);
-      rotate(k, ldk, kh, t);
-    }
+  dispatch(query.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    auto* q = raw_ptr<T>(query);
+    auto* k = raw_ptr<T>(key);
+    at::parallel_for(0, positions.size(0), kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* c = cache + pos[t] * head_size;
+        rotate_heads<T>(q + t * ldq, qh, head_size, c, c + head_size / 2);
+        rotate_heads<T>(k + t * ldk, kh, head_size, c, c + head_size / 2);
+      }
+    });
   });
 }
 
@@ -114,16 +194,55 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   check_rows(x, "x");
   const int64_t n = x.size(1) / 2, ld = x.stride(0);
   auto out = torch::empty({x.size(0), n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, x.size(0), kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* gate = xp + t * ld;
-      const float* up = gate + n;
-      float* o = op + t * n;
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const auto* xp = raw_ptr<T>(x);
+    auto* op = raw_ptr<T>(out);
+    at::parallel_for(0, x.size(0), kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const auto* gate = xp + t * ld;
+        const auto* up = gate + n;
+        auto* o = op + t * n;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-    }
+        for (int64_t i = 0; i < n; ++i) {
+          const float g = Num<T>::get(gate[i]);
+          o[i] = Num<T>::put(rnd<T>(g / (1.f + std::exp(-g))) * Num<T>::get(up[i]));
+        }
+      }
+    });
   });
   return out;
+}
+
+void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
+                       torch::Tensor slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes(), "key and value must be [T, kv_heads, head_size]");
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
+                  value.stride(1) == value.size(2),
+              "each token's key and value must be contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == value_cache.scalar_type(),
+              "key/value and the caches differ in dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.dim() == 1 &&
+                  slot_mapping.size(0) == key.size(0),
+              "slot_mapping must be int64 [T]");
+  const int64_t row = key.size(1) * key.size(2);
+  TORCH_CHECK(key_cache.numel() % row == 0 && key_cache.size(2) * key_cache.size(3) == row,
+              "caches must be [blocks, block_size, kv_heads, head_size] like key");
+  slot_mapping = slot_mapping.contiguous();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = key_cache.numel() / row, bytes = row * key.element_size();
+  for (int64_t t = 0; t < key.size(0); ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " outside the cache");
+  const char* kp = static_cast<const char*>(key.data_ptr());
+  const char* vp = static_cast<const char*>(value.data_ptr());
+  char* kc = static_cast<char*>(key_cache.data_ptr());
+  char* vc = static_cast<char*>(value_cache.data_ptr());
+  const int64_t ldk = key.stride(0) * key.element_size(), ldv = value.stride(0) * value.element_size();
+  at::parallel_for(0, key.size(0), 4 * kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kc + slots[t] * bytes, kp + t * ldk, bytes);
+      std::memcpy(vc + slots[t] * bytes, vp + t * ldv, bytes);
+    }
+  });
 }
