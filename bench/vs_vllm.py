@@ -7,7 +7,8 @@
 printed by both sides must match), `prefill` is ours (long prompts, 8 output tokens). Both
 engines get the same token ids, greedy, ignore_eos, all requests at once, prefix caches reset
 before each timed repeat, a few short unrelated requests first to warm up. Before every timed
-run the benchmark waits for the machine to be quiet. Prints one table: output tokens/s of each
+run the benchmark waits for the machine to be quiet. streamer's repeats run half before and half
+after vLLM's (the machine's speed drifts by 10-25% within minutes). Prints one table: output tokens/s of each
 (median of the repeats), the ratio, and for streamer time to first token and peak KV use.
 Without `--vllm-python` only streamer runs.
 """
@@ -102,27 +103,48 @@ def _generate(engine: LLMEngine, reqs: list[dict], bar: Task) -> dict:
             "peak_kv_blocks": peak_blocks}
 
 
-def run_streamer(args: argparse.Namespace, name: str, reqs: list[dict]) -> dict:
+def streamer_engine(args: argparse.Namespace) -> LLMEngine:
     engine = LLMEngine(EngineConfig(model=str(args.model), dtype=args.dtype, block_size=args.block_size,
                                     max_num_batched_tokens=args.max_num_batched_tokens))
     generate(engine, warm_requests())
+    return engine
+
+
+def timed_runs(engine: LLMEngine, args: argparse.Namespace, name: str, reqs: list[dict], when: str) -> list[dict]:
     runs = []
     for i in range(args.repeats):
         engine.reset_prefix_cache()
         idle = wait_quiet()
-        run = generate(engine, reqs, f"streamer {name}, repeat {i + 1}/{args.repeats}")
+        run = generate(engine, reqs, f"streamer {name}, {when}repeat {i + 1}/{args.repeats}")
         run["idle_before"] = idle
         runs.append(run)
         print(json.dumps({"system": "streamer", "workload": name, **{k: round(v, 3) for k, v in run.items()}}),
               file=sys.stderr, flush=True)
+    return runs
+
+
+def summarize(engine: LLMEngine, args: argparse.Namespace, runs: list[dict]) -> dict:
     stats = engine.stats()
     median = statistics.median(r["output_tok_s"] for r in runs)
     chosen = min(runs, key=lambda r: abs(r["output_tok_s"] - median))
-    engine.shutdown()
     return {**chosen, "median_output_tok_s": median, "runs": runs,
             "kv_blocks_total": stats["kv_blocks_total"], "block_size": args.block_size,
             "prefix_cache_hit_tokens": stats.get("prefix_cache_hit_tokens"),
             "prefix_cache_query_tokens": stats.get("prefix_cache_query_tokens")}
+
+
+def run_both(args: argparse.Namespace, name: str, reqs: list[dict]) -> tuple[dict, dict | None]:
+    """streamer's repeats run both before and after vLLM's: this machine's speed drifts by 10-25%
+    within minutes (shared hosts), and a drift while one side runs alone would bias the ratio."""
+    engine = streamer_engine(args)
+    runs = timed_runs(engine, args, name, reqs, "before vLLM, " if args.vllm_python else "")
+    theirs = None
+    if args.vllm_python:
+        theirs = run_vllm(args, name, reqs)
+        runs += timed_runs(engine, args, name, reqs, "after vLLM, ")
+    ours = summarize(engine, args, runs)
+    engine.shutdown()
+    return ours, theirs
 
 
 def run_vllm(args: argparse.Namespace, name: str, reqs: list[dict]) -> dict:
@@ -162,8 +184,7 @@ def main() -> None:
     rows = []
     for name in args.workloads.split(","):
         reqs = ANCHOR_WORKLOADS[name]()
-        ours = run_streamer(args, name, reqs)
-        theirs = run_vllm(args, name, reqs) if args.vllm_python else None
+        ours, theirs = run_both(args, name, reqs)
         rows.append({"workload": name, "fingerprint": fingerprint(reqs), "streamer": ours, "vllm": theirs})
     print_table(rows, args)
     if args.json:
@@ -171,7 +192,8 @@ def main() -> None:
 
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
-    print(f"\n{args.dtype}, torch threads {os.cpu_count()} cpus, median of {args.repeats}")
+    runs = f"{2 * args.repeats} (half before, half after vLLM's {args.repeats})" if args.vllm_python else args.repeats
+    print(f"\n{args.dtype}, torch threads {os.cpu_count()} cpus, streamer median of {runs}")
     print("| workload | fingerprint | streamer output tok/s (all tok/s) | vLLM | ratio | streamer TTFT mean / p99 (s) "
           "| streamer peak KV blocks |")
     print("|---|---|---|---|---|---|---|")

@@ -27,6 +27,8 @@ def test_kernel_builds_here():
     (3, 8, 1, 128, 32, 301),   # GQA 8
     (7, 6, 6, 80, 16, 129),    # head size 80
     (2, 8, 2, 64, 64, 513),
+    (4, 4, 2, 72, 16, 50),     # head size 72: not a multiple of the vector width (generic path)
+    (9, 6, 3, 32, 16, 15),     # head size 32, every sequence shorter than one vector of positions
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_matches_reference(batch, heads, kv_heads, head_size, block_size, max_len, dtype):
@@ -48,14 +50,15 @@ def test_matches_reference(batch, heads, kv_heads, head_size, block_size, max_le
     assert err < TOLERANCE[dtype], err
 
 
-def test_ignores_slots_past_each_length():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_ignores_slots_past_each_length(dtype):
     """Poison every slot past a sequence's length: the output must not change."""
     gen = torch.Generator().manual_seed(7)
-    key_cache = torch.randn(8, 16, 2, 64, generator=gen)
-    value_cache = torch.randn(8, 16, 2, 64, generator=gen)
+    key_cache = torch.randn(8, 16, 2, 64, generator=gen).to(dtype)
+    value_cache = torch.randn(8, 16, 2, 64, generator=gen).to(dtype)
     tables = torch.tensor([[3, 5, 1]], dtype=torch.int32)
     lens = torch.tensor([20], dtype=torch.int32)
-    query = torch.randn(1, 4, 64, generator=gen)
+    query = torch.randn(1, 4, 64, generator=gen).to(dtype)
     before = paged_decode_attention_cpu(query, key_cache, value_cache, tables, lens, 0.125)
     key_cache[5, 4:] = 1e4
     value_cache[5, 4:] = float("nan")

@@ -6,11 +6,19 @@
 // (all KV heads) are contiguous, so each block is read front to back in one stream (48 KiB for
 // 16 positions x 12 heads x 64 floats) rather than as scattered per-head pieces. Softmax is
 // computed online, block by block (flash-decoding style), so K and V are each read exactly once.
+//
+// Two implementations of that: the vector path below (float32 and bfloat16, head sizes a multiple
+// of the vector width: every model streamer runs) and the generic one first (float16, other head
+// sizes). At batch 64 x 400 positions the vector path measured 1.6x faster in float32
+// (2.5-2.8 vs 4.0-4.8 ms a layer on 2 cores) and 1.2x in bfloat16 (bench/README.md).
 #include "cpu_ops.h"
 #include <ATen/Parallel.h>
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
+#include <utility>
+#include <cstring>
 #include <cstdint>
 #include <cmath>
 #include <limits>
@@ -41,7 +49,7 @@ inline const float* as_float(const scalar_t* src, float* buf, int64_t n) {
 
 inline void prefetch_block(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 256) __builtin_prefetch(c + off, 0, 1);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
 }
 
 template <typename scalar_t>
@@ -154,6 +162,194 @@ void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
   }
 }
 
+
+// ---- the vector path: float32 and bfloat16, head sizes a multiple of the vector width ----------
+// Per sequence, positions are taken kW at a time (kW = the vector width: 16 floats with AVX-512,
+// 8 otherwise) and each query head handles its kW positions in three steps:
+//   scores: kW dot products, each a vector of partial sums, reduced together by a shuffle tree
+//           (kW-1 vector adds for all kW instead of a horizontal sum each: the horizontal sums
+//           were most of the generic kernel's time at head size 64);
+//   softmax: online, over the kW lanes;
+//   values: accumulated in registers over the kW positions, read from L1 (the rows were just
+//           read for the scores).
+// Written with GCC/Clang vector extensions, so the one source compiles for whatever the build
+// machine's -march=native offers.
+#if defined(__AVX512F__)
+constexpr int kW = 16;
+#else
+constexpr int kW = 8;
+#endif
+typedef float vfloat __attribute__((vector_size(kW * 4)));
+
+typedef uint16_t vu16 __attribute__((vector_size(kW * 2)));
+typedef uint32_t vu32 __attribute__((vector_size(kW * 4)));
+
+inline vfloat vload(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// A row of n floats (n a multiple of kW): float32 in place, bfloat16 widened into `buf` in whole
+// vectors (element-wise stores read back as vectors stall on store forwarding).
+inline const float* row_as_float(const float* src, float*, int64_t) { return src; }
+
+inline const float* row_as_float(const at::BFloat16* src, float* buf, int64_t n) {
+  for (int64_t i = 0; i < n; i += kW) {
+    vu16 h;
+    std::memcpy(&h, src + i, sizeof h);
+    const vu32 w = __builtin_convertvector(h, vu32) << 16;
+    std::memcpy(buf + i, &w, sizeof w);
+  }
+  return buf;
+}
+
+// Lane j of the result = the sum of the lanes of p[j]. Each level adds the two halves of every
+// group of lanes of two vectors; the sums come out in bit-reversed order, undone at the end.
+#define SHUF __builtin_shufflevector
+#if defined(__AVX512F__)
+__attribute__((always_inline)) inline vfloat reduce_lanes(const vfloat* p) {
+  vfloat r[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)
+    r[i] = SHUF(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SHUF(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    u[i] = SHUF(r[2 * i], r[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           SHUF(r[2 * i], r[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    w[i] = SHUF(u[2 * i], u[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           SHUF(u[2 * i], u[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  const vfloat f = SHUF(w[0], w[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+                   SHUF(w[0], w[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  return SHUF(f, f, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+#else
+__attribute__((always_inline)) inline vfloat reduce_lanes(const vfloat* p) {
+  vfloat r[4], u[2];
+  for (int i = 0; i < 4; ++i)
+    r[i] = SHUF(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    u[i] = SHUF(r[2 * i], r[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) + SHUF(r[2 * i], r[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  const vfloat f = SHUF(u[0], u[1], 0, 8, 2, 10, 4, 12, 6, 14) + SHUF(u[0], u[1], 1, 9, 3, 11, 5, 13, 7, 15);
+  return SHUF(f, f, 0, 4, 2, 6, 1, 5, 3, 7);
+}
+#endif
+#undef SHUF
+
+constexpr int kMaxChunks = 16;  // head size up to 16 vectors (256 floats with AVX-512)
+
+// One query head over kW positions (the first n real; the rows past them point at zeros):
+// updates its running max, sum and accumulator (`acc`, C vectors). C is a template parameter so
+// that the query and the accumulator stay in registers and every loop unrolls.
+template <int C>
+void attend_positions(const float* q, const float* const* krow, const float* const* vrow, int64_t n, float& m,
+                      float& l, float* acc) {
+  vfloat qv[C], p[kW];
+  for (int c = 0; c < C; ++c) qv[c] = vload(q + c * kW);
+  for (int j = 0; j < kW; ++j) {
+    vfloat a = qv[0] * vload(krow[j]);
+    for (int c = 1; c < C; ++c) a += qv[c] * vload(krow[j] + c * kW);
+    p[j] = a;
+  }
+  float s[kW];
+  const vfloat scores = reduce_lanes(p);
+  std::memcpy(s, &scores, sizeof s);
+  for (int64_t j = n; j < kW; ++j) s[j] = -1e30f;  // finite: the kernel is built with -ffast-math
+  float block_max = m;
+  for (int j = 0; j < kW; ++j) block_max = std::max(block_max, s[j]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)  // vectorized expf (libmvec) under -ffast-math
+  for (int j = 0; j < kW; ++j) {
+    s[j] = std::exp(s[j] - block_max);  // 0 past n
+    sum += s[j];
+  }
+  const float rescale = std::exp(m - block_max);  // underflows to 0 on the first positions
+  l = l * rescale + sum;
+  m = block_max;
+  vfloat av[C];
+  for (int c = 0; c < C; ++c) av[c] = vload(acc + c * kW) * rescale;
+  for (int j = 0; j < kW; ++j)
+    for (int c = 0; c < C; ++c) av[c] += s[j] * vload(vrow[j] + c * kW);
+  std::memcpy(acc, av, sizeof av);
+}
+
+using AttendFn = void (*)(const float*, const float* const*, const float* const*, int64_t, float&, float&, float*);
+
+template <int... I>
+constexpr std::array<AttendFn, sizeof...(I)> attend_table(std::integer_sequence<int, I...>) {
+  return {&attend_positions<I + 1>...};
+}
+
+constexpr auto kAttend = attend_table(std::make_integer_sequence<int, kMaxChunks>{});
+
+template <typename scalar_t>
+void decode_vec(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* block_tables,
+                const int32_t* seq_lens, scalar_t* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                int64_t head_size, int64_t block_size, int64_t max_blocks, float scale) {
+  const int64_t group = num_heads / num_kv_heads, D = head_size, chunks = D / kW;
+  const int64_t row_size = num_kv_heads * D;
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<float> qf(num_heads * D), acc(num_heads * D), m(num_heads), l(num_heads);
+    // bfloat16 rows widened once for all the heads that read them (float32 rows are used in place)
+    std::vector<float> kbuf(kW * row_size), vbuf(kW * row_size);
+    const float* krow[kW];
+    const float* vrow[kW];
+    const float* khead[kW];
+    const float* vhead[kW];
+    const std::vector<float> zeros(row_size, 0.f);  // the rows past a sequence's end
+    const AttendFn attend = kAttend[chunks - 1];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t b = 0; b < num_seqs; ++b) {
+      const int64_t len = seq_lens[b];
+      const int32_t* table = block_tables + b * max_blocks;
+      for (int64_t i = 0; i < num_heads * D; ++i) qf[i] = static_cast<float>(q[b * num_heads * D + i]) * scale;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -1e30f);
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t start = 0; start < len; start += kW) {
+        const int64_t n = std::min<int64_t>(kW, len - start);
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t pos = start + j;
+          const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
+          krow[j] = row_as_float(k_cache + slot * row_size, kbuf.data() + j * row_size, row_size);
+          vrow[j] = row_as_float(v_cache + slot * row_size, vbuf.data() + j * row_size, row_size);
+        }
+        for (int64_t j = n; j < kW; ++j) krow[j] = vrow[j] = zeros.data();
+        // The next positions' rows, prefetched a share per head while these are computed: all at
+        // once, most of the requests were dropped (queues full) and the kernel waited on memory.
+        const char* next_k = nullptr;
+        const char* next_v = nullptr;
+        if (start + kW < len) {
+          const int64_t next = start + kW;
+          const int64_t slot = static_cast<int64_t>(table[next / block_size]) * block_size + next % block_size;
+          next_k = reinterpret_cast<const char*>(k_cache + slot * row_size);
+          next_v = reinterpret_cast<const char*>(v_cache + slot * row_size);
+        }
+        const int64_t next_bytes = std::min<int64_t>(kW, block_size) * row_size * sizeof(scalar_t);
+        for (int64_t h = 0; h < num_heads; ++h) {
+          if (next_k != nullptr) {
+            const int64_t from = next_bytes * h / num_heads, to = next_bytes * (h + 1) / num_heads;
+            prefetch_block(next_k + from, to - from);
+            prefetch_block(next_v + from, to - from);
+          }
+          const int64_t off = (h / group) * D;
+          for (int64_t j = 0; j < kW; ++j) {
+            khead[j] = krow[j] + (j < n ? off : 0);
+            vhead[j] = vrow[j] + (j < n ? off : 0);
+          }
+          attend(qf.data() + h * D, khead, vhead, n, m[h], l[h], acc.data() + h * D);
+        }
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        scalar_t* o = out + (b * num_heads + h) * D;
+        const float inv = 1.f / l[h];
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[h * D + d] * inv);
+      }
+    }
+  }
+}
+
 }  // namespace
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
@@ -168,8 +364,13 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   const int64_t B = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t BS = key_cache.size(1), KVH = key_cache.size(2);
   TORCH_CHECK(H % KVH == 0 && key_cache.size(3) == D, "head shapes do not match the cache");
+  const bool vector_path = D % kW == 0 && D / kW <= kMaxChunks &&
+                           (query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_cpu", [&] {
-    decode<scalar_t>(query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
+    auto* kernel = &decode<scalar_t>;
+    if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, at::BFloat16>)
+      if (vector_path) kernel = &decode_vec<scalar_t>;
+    kernel(query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
                      block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), B, H,
                      KVH, D, BS, block_tables.size(1), static_cast<float>(scale));
   });
