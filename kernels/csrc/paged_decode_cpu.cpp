@@ -52,6 +52,33 @@ inline void prefetch_block(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
 }
 
+// One sequence's running state, per query head: the scaled query, the online softmax's max and
+// sum, and the weighted sum of values so far.
+struct SequenceState {
+  std::vector<float> qf, acc, m, l;
+  int64_t heads, D;
+  SequenceState(int64_t num_heads, int64_t head_size)
+      : qf(num_heads * head_size), acc(num_heads * head_size), m(num_heads), l(num_heads), heads(num_heads),
+        D(head_size) {}
+
+  template <typename scalar_t>
+  void start(const scalar_t* q, float scale) {
+    for (int64_t i = 0; i < heads * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+    std::fill(acc.begin(), acc.end(), 0.f);
+    // Finite "minus infinity": the kernel is built with -ffast-math, which assumes no infinities.
+    std::fill(m.begin(), m.end(), -1e30f);
+    std::fill(l.begin(), l.end(), 0.f);
+  }
+
+  template <typename scalar_t>
+  void finish(scalar_t* out) const {
+    for (int64_t h = 0; h < heads; ++h) {
+      const float inv = 1.f / l[h];
+      for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<scalar_t>(acc[h * D + d] * inv);
+    }
+  }
+};
+
 template <typename scalar_t>
 void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* block_tables,
             const int32_t* seq_lens, scalar_t* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
@@ -63,8 +90,9 @@ void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
   // Dynamic scheduling: sequences differ in length, so equal halves would leave a core idle.
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<float> qf(num_heads * D), acc(num_heads * D), row(row_size), s(num_heads * block_size);
-    std::vector<float> m(num_heads), l(num_heads);
+    SequenceState st(num_heads, D);
+    std::vector<float> row(row_size), s(num_heads * block_size);
+    auto &qf = st.qf, &acc = st.acc, &m = st.m, &l = st.l;  // the generic body's names
     // Offset of each query head's KV head within a row, computed once: an integer division per
     // head and position would cost more than the dot product itself.
     std::vector<int64_t> kv_offset(num_heads);
@@ -73,11 +101,7 @@ void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
     for (int64_t b = 0; b < num_seqs; ++b) {
       const int64_t len = seq_lens[b];
       const int32_t* table = block_tables + b * max_blocks;
-      for (int64_t i = 0; i < num_heads * D; ++i) qf[i] = static_cast<float>(q[b * num_heads * D + i]) * scale;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      // Finite "minus infinity": the kernel is built with -ffast-math, which assumes no infinities.
-      std::fill(m.begin(), m.end(), -1e30f);
-      std::fill(l.begin(), l.end(), 0.f);
+      st.start(q + b * num_heads * D, scale);
       const int64_t num_blocks = (len + block_size - 1) / block_size;
       // Block by block with an online softmax: each block's K then V (contiguous, L2-resident)
       // are read once, in order, while the next block is prefetched.
@@ -153,11 +177,7 @@ void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
           }
         }
       }
-      for (int64_t h = 0; h < num_heads; ++h) {
-        scalar_t* o = out + (b * num_heads + h) * D;
-        const float inv = 1.f / l[h];
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[h * D + d] * inv);
-      }
+      st.finish(out + b * num_heads * D);
     }
   }
 }
@@ -290,7 +310,7 @@ void decode_vec(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
   const int64_t row_size = num_kv_heads * D;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<float> qf(num_heads * D), acc(num_heads * D), m(num_heads), l(num_heads);
+    SequenceState st(num_heads, D);
     // bfloat16 rows widened once for all the heads that read them (float32 rows are used in place)
     std::vector<float> kbuf(kW * row_size), vbuf(kW * row_size);
     const float* krow[kW];
@@ -303,10 +323,7 @@ void decode_vec(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
     for (int64_t b = 0; b < num_seqs; ++b) {
       const int64_t len = seq_lens[b];
       const int32_t* table = block_tables + b * max_blocks;
-      for (int64_t i = 0; i < num_heads * D; ++i) qf[i] = static_cast<float>(q[b * num_heads * D + i]) * scale;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -1e30f);
-      std::fill(l.begin(), l.end(), 0.f);
+      st.start(q + b * num_heads * D, scale);
       for (int64_t start = 0; start < len; start += kW) {
         const int64_t n = std::min<int64_t>(kW, len - start);
         for (int64_t j = 0; j < n; ++j) {
@@ -338,14 +355,10 @@ void decode_vec(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
             khead[j] = krow[j] + (j < n ? off : 0);
             vhead[j] = vrow[j] + (j < n ? off : 0);
           }
-          attend(qf.data() + h * D, khead, vhead, n, m[h], l[h], acc.data() + h * D);
+          attend(st.qf.data() + h * D, khead, vhead, n, st.m[h], st.l[h], st.acc.data() + h * D);
         }
       }
-      for (int64_t h = 0; h < num_heads; ++h) {
-        scalar_t* o = out + (b * num_heads + h) * D;
-        const float inv = 1.f / l[h];
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[h * D + d] * inv);
-      }
+      st.finish(out + b * num_heads * D);
     }
   }
 }
