@@ -17,7 +17,8 @@ import torch
 
 log = logging.getLogger("streamer.kernels")
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / "paged_decode_cpu.cpp", _CSRC / "elementwise_cpu.cpp", _CSRC / "bindings_cpu.cpp"]
+_SOURCES = [_CSRC / "paged_decode_cpu.cpp", _CSRC / "paged_prefill_cpu.cpp", _CSRC / "elementwise_cpu.cpp",
+            _CSRC / "bindings_cpu.cpp"]
 
 
 def _cpu_signature() -> str:
@@ -27,7 +28,7 @@ def _cpu_signature() -> str:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = platform.processor()
-    key = flags + torch.__version__ + (_CSRC / "cpu_ops.h").read_text()
+    key = flags + torch.__version__ + (_CSRC / "cpu_ops.h").read_text() + (_CSRC / "vec_cpu.h").read_text()
     for source in _SOURCES:
         key += source.read_text() + str(source.resolve())
     return hashlib.sha1(key.encode()).hexdigest()[:12]

@@ -12,6 +12,7 @@
 // sizes). At batch 64 x 400 positions the vector path measured 1.6x faster in float32
 // (2.5-2.8 vs 4.0-4.8 ms a layer on 2 cores) and 1.2x in bfloat16 (bench/README.md).
 #include "cpu_ops.h"
+#include "vec_cpu.h"
 #include <ATen/Parallel.h>
 #include <omp.h>
 
@@ -194,36 +195,6 @@ void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
 //           read for the scores).
 // Written with GCC/Clang vector extensions, so the one source compiles for whatever the build
 // machine's -march=native offers.
-#if defined(__AVX512F__)
-constexpr int kW = 16;
-#else
-constexpr int kW = 8;
-#endif
-typedef float vfloat __attribute__((vector_size(kW * 4)));
-
-typedef uint16_t vu16 __attribute__((vector_size(kW * 2)));
-typedef uint32_t vu32 __attribute__((vector_size(kW * 4)));
-
-inline vfloat vload(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// A row of n floats (n a multiple of kW): float32 in place, bfloat16 widened into `buf` in whole
-// vectors (element-wise stores read back as vectors stall on store forwarding).
-inline const float* row_as_float(const float* src, float*, int64_t) { return src; }
-
-inline const float* row_as_float(const at::BFloat16* src, float* buf, int64_t n) {
-  for (int64_t i = 0; i < n; i += kW) {
-    vu16 h;
-    std::memcpy(&h, src + i, sizeof h);
-    const vu32 w = __builtin_convertvector(h, vu32) << 16;
-    std::memcpy(buf + i, &w, sizeof w);
-  }
-  return buf;
-}
-
 // Lane j of the result = the sum of the lanes of p[j]. Each level adds the two halves of every
 // group of lanes of two vectors; the sums come out in bit-reversed order, undone at the end.
 #define SHUF __builtin_shufflevector

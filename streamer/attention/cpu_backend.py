@@ -1,9 +1,9 @@
-"""The CPU backend: decode attention and the per-token ops compiled for the CPU (C++ in
-kernels/csrc/), prefill attention arranged for PyTorch's fused CPU kernel (kernels/cpu_attention.py),
-the torch references for the rest. Decode attention reads K/V in place instead of
-gathering a dense copy first; RMSNorm, rotary, SiLU-and-mul and the cache write are one pass
-each instead of 2-8 ATen ops. Falls back to the references where the kernels cannot be built, and
-for float16 (the kernels do float32 and bfloat16, rounding bfloat16 where the references round)."""
+"""The CPU backend: attention (decode and prefill) and the per-token ops compiled for the CPU
+(C++ in kernels/csrc/), the torch references for the rest. Attention reads K/V in place through
+the block table instead of gathering a dense copy first; RMSNorm, rotary, SiLU-and-mul and the
+cache write are one pass each instead of 2-8 ATen ops. Falls back to the references where the
+kernels cannot be built, and for float16 (the kernels do float32 and bfloat16, rounding bfloat16
+where the references round)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class CpuBackend(TorchBackend):
     def prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                 max_query_len: int, out: torch.Tensor) -> None:
-        if query.dtype not in _KERNEL_DTYPES or query.device.type != "cpu":
+        if not self._fast(query):
             return super().prefill(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
                                    max_query_len, out)
         out.copy_(paged_prefill_attention_cpu(query, key_cache, value_cache, block_tables, query_start_loc,

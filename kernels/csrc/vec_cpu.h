@@ -1,0 +1,73 @@
+// The vector type of the CPU attention kernels: GCC/Clang vector extensions, so one source
+// compiles for whatever the build machine's -march=native offers (16 floats with AVX-512, else 8).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+constexpr int kW = 16;
+#else
+constexpr int kW = 8;
+#endif
+typedef float vfloat __attribute__((vector_size(kW * 4)));
+typedef uint16_t vu16 __attribute__((vector_size(kW * 2)));
+typedef uint32_t vu32 __attribute__((vector_size(kW * 4)));
+
+inline vfloat vload(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+
+// bfloat16 is the top half of a float32: widening is a shift the compiler vectorizes (the generic
+// conversion does not). n floats from `src` into `dst`, n a multiple of kW.
+inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += kW) {
+    vu16 h;
+    std::memcpy(&h, src + i, sizeof h);
+    const vu32 w = __builtin_convertvector(h, vu32) << 16;
+    std::memcpy(dst + i, &w, sizeof w);
+  }
+}
+
+// A row of n floats (n a multiple of kW): float32 in place, bfloat16 widened into `buf` in whole
+// vectors (element-wise stores read back as vectors stall on store forwarding).
+inline const float* row_as_float(const float* src, float*, int64_t) { return src; }
+
+inline const float* row_as_float(const at::BFloat16* src, float* buf, int64_t n) {
+  widen(src, buf, n);
+  return buf;
+}
+
+typedef int32_t vint __attribute__((vector_size(kW * 4)));
+
+// e^x lane by lane, inlined (libmvec's expf is a call per vector, and handles cases softmax never
+// meets): x = n ln2 + r with |r| <= ln2/2, e^r by Cephes' expf polynomial (relative error ~1e-7),
+// 2^n built in the exponent bits. Lanes below -87 (e^x under float's normal range) give 0, so a
+// masked score of -1e30 weighs exactly nothing. Rounding is done by integer conversion, which
+// -ffast-math cannot reassociate away.
+inline vfloat vexp(vfloat x) {
+  const vint underflow = x < -87.f;
+  x = x < -87.f ? -87.f : x;
+  const vfloat t = x * 1.44269504f;
+  const vint n = __builtin_convertvector(t + (t >= 0.f ? 0.5f : -0.5f), vint);
+  const vfloat nf = __builtin_convertvector(n, vfloat);
+  const vfloat r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
+  vfloat p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  vint bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += (n << 23);
+  bits = underflow ? 0 : bits;
+  vfloat out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
