@@ -13,7 +13,7 @@ ENV PYTHONUNBUFFERED=1 \
 # A C/C++ compiler at run time: Triton builds its GPU launcher with it, and the CPU attention
 # kernel is compiled on first use (without one the engine falls back to plain torch).
 RUN apt-get update \
- && apt-get install -y --no-install-recommends redis-server gcc g++ libc6-dev \
+ && apt-get install -y --no-install-recommends redis-server libtcmalloc-minimal4 gcc g++ libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 
 # torch first, in its own layer: it is by far the largest and changes least often.

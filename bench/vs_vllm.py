@@ -30,6 +30,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])  # not bench/: bench/kern
 from bench.workload import ANCHOR_WORKLOADS, fingerprint  # noqa: E402
 from streamer import LLMEngine, SamplingParams  # noqa: E402
 from streamer.config import EngineConfig  # noqa: E402
+from workers.allocator import CHOICES, exec_with_allocator  # noqa: E402
 from workers.progress_display import Task, task  # noqa: E402
 
 # vLLM's best settings per workload on 2 cores (the anchors' README): both cores bound,
@@ -178,7 +179,10 @@ def main() -> None:
     ap.add_argument("--vllm-python", help="python of a venv with vLLM's CPU build")
     ap.add_argument("--anchors", help="the folder holding bench_vllm.py")
     ap.add_argument("--json", type=Path, help="also write every figure here")
+    ap.add_argument("--malloc", choices=CHOICES, default="tcmalloc",
+                    help="streamer's allocator, as `streamer worker --malloc` (this process runs the engine)")
     args = ap.parse_args()
+    exec_with_allocator(args.malloc)
     if args.vllm_python and not args.anchors:
         ap.error("--vllm-python needs --anchors")
     rows = []

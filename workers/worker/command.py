@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import logging
 import signal
+import sys
 import types
 import typing
 from pathlib import Path
@@ -21,6 +22,7 @@ import anyio
 from clients.protocol import Limits
 from streamer import EngineConfig
 from streamer.tool_parsers import FAMILIES
+from workers.allocator import CHOICES, exec_with_allocator
 from workers.arg_types import optional_port
 from workers.redis_options import add_pool_arguments, add_redis_arguments, check_redis, names_from_args
 from workers.worker.config import WorkerConfig
@@ -118,6 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(0: off)")
     w.add_argument("--metrics-host", default="0.0.0.0", help="address the --metrics-port server listens on")
     w.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    w.add_argument("--malloc", choices=CHOICES, default="tcmalloc",
+                   help="memory allocator of the worker process: tcmalloc where installed (faster steps), or "
+                        "system (glibc's)")
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
@@ -157,9 +162,18 @@ async def serve(args: argparse.Namespace) -> None:
             tg.cancel_scope.cancel()
 
 
+def _is_worker_program() -> bool:
+    """Started as `streamer worker` / `python -m workers.cli worker`: the process is the
+    worker's alone (and not, say, a test calling the CLI's `main`), so it may re-execute itself."""
+    program = Path(sys.argv[0])
+    return program.name == "streamer" or program.parts[-3:] == ("workers", "cli", "__main__.py")
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if _is_worker_program():
+        exec_with_allocator(args.malloc)
     args.cluster = check_redis(args.redis)
     if args.metrics_port:  # before the model loads: a taken port is then reported at once
         check_port(args.metrics_host, args.metrics_port)
