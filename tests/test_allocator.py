@@ -53,7 +53,7 @@ def _maps_of_worker(llama_ckpt: Path, redis_url: str, *extra: str) -> str:
     proc = worker_process(llama_ckpt, redis_url, *extra)
     try:
         r = redis.Redis.from_url(redis_url)
-        wait_for_sync(lambda: len(r.keys(Names().worker("*"))) == 1, timeout=60)
+        wait_for_sync(lambda: len(r.keys(Names().worker("*"))) == 1, timeout=240)  # fresh clone: kernels compile
         return Path(f"/proc/{proc.pid}/maps").read_text()  # the same pid after the exec
     finally:
         proc.kill()
