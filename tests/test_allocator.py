@@ -13,6 +13,7 @@ import redis
 from redis_worker_helpers import worker_process
 
 from clients.protocol import Names
+from kernels.cpu_extension import load
 from workers.allocator import find_tcmalloc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,6 +51,9 @@ def test_keeps_what_is_preloaded_already():
 
 
 def _maps_of_worker(llama_ckpt: Path, redis_url: str, *extra: str) -> str:
+    # Built here first: a worker killed while it compiles them leaves the build's lock behind, and
+    # every later build in this checkout would wait on it.
+    assert load() is not None
     proc = worker_process(llama_ckpt, redis_url, *extra)
     try:
         r = redis.Redis.from_url(redis_url)
