@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from kernel_testing import make_paged_kv, query_start_loc, rel_err
@@ -199,3 +203,14 @@ def test_cpu_prefill_rejects_inconsistent_shapes():
         paged_prefill_attention_cpu(query, kv.key_cache, kv.value_cache, tables[:, :1], starts, seq_lens, 0.125)
     with pytest.raises(RuntimeError, match="cover"):
         paged_prefill_attention_cpu(query[:-1], kv.key_cache, kv.value_cache, tables, starts, seq_lens, 0.125)
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load(tmp_path):
+    """torch's build lock is a plain file; a worker killed while compiling leaves it behind."""
+    from kernels.cpu_extension import build_directory
+
+    load()
+    (build_directory() / "lock").touch()
+    out = subprocess.run([sys.executable, "-c", "from kernels.cpu_extension import load; print(load() is not None)"],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "True", out.stderr[-2000:]
