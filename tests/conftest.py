@@ -35,6 +35,16 @@ def qwen2_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def cpu_kernels() -> None:
+    """The compiled CPU kernels, built in the test process before a test starts a worker process:
+    in a fresh clone the worker would spend minutes compiling them past the test's start-up wait,
+    and a worker killed mid-build used to leave the build locked."""
+    from kernels.cpu_extension import load
+
+    assert load() is not None
+
+
+@pytest.fixture(scope="session")
 def redis_server() -> RedisServer:
     """A real redis-server on a free port, for the whole test session."""
     with RedisServer() as server:

@@ -13,7 +13,6 @@ import redis
 from redis_worker_helpers import worker_process
 
 from clients.protocol import Names
-from kernels.cpu_extension import load
 from workers.allocator import find_tcmalloc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,9 +50,6 @@ def test_keeps_what_is_preloaded_already():
 
 
 def _maps_of_worker(llama_ckpt: Path, redis_url: str, *extra: str) -> str:
-    # Built here first: a worker killed while it compiles them leaves the build's lock behind, and
-    # every later build in this checkout would wait on it.
-    assert load() is not None
     proc = worker_process(llama_ckpt, redis_url, *extra)
     try:
         r = redis.Redis.from_url(redis_url)
@@ -72,6 +68,6 @@ def wait_for_sync(cond, timeout: float) -> None:
 
 
 @pytest.mark.parametrize("choice, mapped", [("tcmalloc", True), ("system", False)])
-def test_worker_process_runs_on_the_chosen_allocator(llama_ckpt, redis_url, choice, mapped):
+def test_worker_process_runs_on_the_chosen_allocator(cpu_kernels, llama_ckpt, redis_url, choice, mapped):
     maps = _maps_of_worker(llama_ckpt, redis_url, "--malloc", choice)
     assert ("libtcmalloc" in maps) == mapped

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from workers.allocator import find_tcmalloc
 from workers.default_model import ensure_default_model
 from workers.redis_server import free_port
 
@@ -167,7 +168,7 @@ def check_readme_examples(redis_url: str) -> None:
         client.close()
 
 
-def test_up_serves_the_real_model_and_ctrl_c_stops_everything(smollm2_cache: Path) -> None:
+def test_up_serves_the_real_model_and_ctrl_c_stops_everything(cpu_kernels: None, smollm2_cache: Path) -> None:
     import anyio
 
     port = free_port()
@@ -215,7 +216,7 @@ def test_up_serves_the_real_model_and_ctrl_c_stops_everything(smollm2_cache: Pat
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_up_itself_never_imports_torch(llama_ckpt: Path) -> None:
+def test_up_itself_never_imports_torch(cpu_kernels: None, llama_ckpt: Path) -> None:
     """torch (a second to import) loads only in the worker, which picks the device: `up` checking the
     model and waiting for its children must not pay for it before the worker even starts."""
     code = ("import sys; from workers.cli import main, up; from workers.default_model import resolve_model; "
@@ -226,7 +227,7 @@ def test_up_itself_never_imports_torch(llama_ckpt: Path) -> None:
     assert out.stdout.strip() == "[]", out.stdout[:500]
 
 
-def test_worker_failing_at_startup_stops_everything(llama_ckpt: Path) -> None:
+def test_worker_failing_at_startup_stops_everything(cpu_kernels: None, llama_ckpt: Path) -> None:
     """A worker that cannot start (here: a context longer than the model allows) ends `up` with one
     clear line, and the private Redis it had started is gone."""
     up = Up("--port", "0", "--device", "cpu", "--model", str(llama_ckpt),
@@ -242,7 +243,8 @@ def test_worker_failing_at_startup_stops_everything(llama_ckpt: Path) -> None:
         up.kill()
 
 
-def test_up_with_an_existing_redis_leaves_it_running(llama_ckpt: Path, redis_server, redis_url: str) -> None:
+def test_up_with_an_existing_redis_leaves_it_running(cpu_kernels: None, llama_ckpt: Path, redis_server,
+                                                     redis_url: str) -> None:
     """--redis URL: no private server; a worker already on that Redis does not count as ours (up waits
     for a new heartbeat); Ctrl-C stops only what up started; --prefix reaches worker and gateway;
     --metrics-port reaches the worker, whose Prometheus page the banner names."""
@@ -275,7 +277,7 @@ def test_up_with_an_existing_redis_leaves_it_running(llama_ckpt: Path, redis_ser
         client.close()
 
 
-def test_killing_up_takes_its_children_along(llama_ckpt: Path) -> None:
+def test_killing_up_takes_its_children_along(cpu_kernels: None, llama_ckpt: Path) -> None:
     """SIGKILL cannot be handled, yet no worker, gateway or redis-server outlives `up`."""
     port = free_port()
     up = Up("--port", str(port), "--device", "cpu", "--model", str(llama_ckpt), env={})
@@ -285,6 +287,8 @@ def test_killing_up_takes_its_children_along(llama_ckpt: Path) -> None:
         up.wait_for(r"Press Ctrl-C to stop", 120)
         pids = children_of(up.proc.pid)
         assert len(pids) == 3
+        if find_tcmalloc():  # the worker has re-executed itself to preload it (allocator.py)
+            assert any("tcmalloc" in Path(f"/proc/{pid}/maps").read_text() for pid in pids)
         os.kill(up.proc.pid, signal.SIGKILL)
         up.proc.wait(10)
         deadline = time.monotonic() + 45

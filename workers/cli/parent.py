@@ -18,8 +18,11 @@ PARENT_PID_ENV = "_STREAMER_PARENT_PID"
 def exit_with_parent() -> None:
     """In a child of `streamer up`: shut down cleanly (SIGTERM to ourselves) if `up` dies without
     stopping us, e.g. on SIGKILL, so that no worker or gateway is left running on its own."""
-    pid = os.environ.pop(PARENT_PID_ENV, "")
-    if not pid.isdigit():
+    # Left in the environment: the worker re-executes itself to preload tcmalloc (allocator.py)
+    # and must keep watching after that. A grandchild inherits the variable too, but its parent
+    # is not `up`, so the pid check below leaves it alone.
+    pid = os.environ.get(PARENT_PID_ENV, "")
+    if not pid.isdigit() or os.getppid() != int(pid):
         return
 
     def watch() -> None:
