@@ -22,6 +22,7 @@ log = logging.getLogger("streamer.kernels")
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / "paged_decode_cpu.cpp", _CSRC / "paged_prefill_cpu.cpp", _CSRC / "elementwise_cpu.cpp",
             _CSRC / "bindings_cpu.cpp"]
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 
 
 def _cpu_signature() -> str:
@@ -31,7 +32,8 @@ def _cpu_signature() -> str:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = platform.processor()
-    key = flags + torch.__version__ + (_CSRC / "cpu_ops.h").read_text() + (_CSRC / "vec_cpu.h").read_text()
+    key = flags + torch.__version__ + " ".join(_CFLAGS)
+    key += (_CSRC / "cpu_ops.h").read_text() + (_CSRC / "vec_cpu.h").read_text()
     for source in _SOURCES:
         key += source.read_text() + str(source.resolve())
     return hashlib.sha1(key.encode()).hexdigest()[:12]
@@ -67,7 +69,7 @@ def load() -> Any | None:
                 name=f"streamer_cpu_kernels_{_cpu_signature()}",
                 sources=[str(s) for s in _SOURCES],
                 extra_include_paths=[str(_CSRC)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                extra_cflags=_CFLAGS,
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )

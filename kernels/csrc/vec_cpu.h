@@ -2,6 +2,7 @@
 // compiles for whatever the build machine's -march=native offers (16 floats with AVX-512, else 8).
 #pragma once
 #include <ATen/ATen.h>
+#include <immintrin.h>
 
 #include <cstdint>
 #include <cstring>
@@ -27,10 +28,18 @@ inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 // conversion does not). n floats from `src` into `dst`, n a multiple of kW.
 inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; i += kW) {
+#if defined(__AVX512F__)
+    // One zero-extending load: GCC splits the generic conversion below into two 256-bit halves
+    // and a merge where it tunes for 256-bit vectors (Zen 4), 3x the instructions.
+    const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(src + i))), 16);
+    _mm512_storeu_si512(dst + i, w);
+#else
     vu16 h;
     std::memcpy(&h, src + i, sizeof h);
     const vu32 w = __builtin_convertvector(h, vu32) << 16;
     std::memcpy(dst + i, &w, sizeof w);
+#endif
   }
 }
 
