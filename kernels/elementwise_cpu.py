@@ -1,6 +1,6 @@
-"""RMSNorm, rotary embedding, SiLU-and-mul and the KV-cache write compiled for the CPU
-(csrc/elementwise_cpu.cpp), float32 and bfloat16. Defined by `rms_norm_ref`,
-`rotary_embedding_ref`, `silu_and_mul_ref` and `reshape_and_cache_ref`: same inputs, same outputs
+"""RMSNorm, rotary embedding, SiLU-and-mul, the KV-cache write and greedy argmax compiled for the
+CPU (csrc/elementwise_cpu.cpp), float32 and bfloat16. Defined by `rms_norm_ref`,
+`rotary_embedding_ref`, `silu_and_mul_ref`, `reshape_and_cache_ref` and `argmax_ref`: same inputs, same outputs
 (bfloat16 rounded where the references round); the residual form updates its inputs in place,
 as vLLM's does."""
 
@@ -34,3 +34,7 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
 def reshape_and_cache_cpu(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                           value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     module().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def argmax_cpu(logits: torch.Tensor) -> torch.Tensor:
+    return module().argmax_rows(logits)

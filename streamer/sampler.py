@@ -7,8 +7,18 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.cpu_extension import load as cpu_kernels
+from kernels.elementwise_cpu import argmax_cpu
 from streamer.grammar import apply_masks
 from streamer.request import Sequence
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest index. On the CPU the compiled kernel: torch's argmax over 32 x 32k
+    logits took ~1 ms of a 40 ms decode step, one core scanning element by element."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and cpu_kernels():
+        return argmax_cpu(logits)
+    return logits.argmax(dim=-1)
 
 
 @dataclass
@@ -38,8 +48,10 @@ class Sampler:
         if constrained:  # tokens the output's grammar does not allow next are never drawn
             raw = raw.clone() if raw is logits else raw
             apply_masks(raw, constrained, [seqs[i].grammar for i in constrained])  # type: ignore[misc]
-        penalised = self._apply_penalties(raw.clone(), seqs)
-        tokens = penalised.argmax(dim=-1)
+        # Copied only for rows to penalise: `raw` also gives the logprobs, unpenalised (a copy of
+        # 32 x 32k floats every step was ~4% of the sampler's time in greedy decoding).
+        penalised = self._apply_penalties(raw.clone(), seqs) if any(map(self._penalised, seqs)) else raw
+        tokens = argmax(penalised)
         greedy = [s.params.greedy for s in seqs]
         if not all(greedy):
             sampled = self._draw(self._warp(penalised, seqs), seqs)
@@ -62,6 +74,13 @@ class Sampler:
             for j, row in enumerate(rows):
                 result[row] = logprobs[j]
         return result
+
+    @staticmethod
+    def _penalised(seq: Sequence) -> bool:
+        """Whether `_apply_penalties` changes this sequence's row."""
+        p = seq.params
+        return (seq.num_output_tokens < p.min_tokens or p.repetition_penalty != 1.0 or bool(p.presence_penalty)
+                or bool(p.frequency_penalty))
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         for row, seq in enumerate(seqs):
@@ -108,7 +127,7 @@ class Sampler:
                     _derived_seed(seq.params.seed, seq.index, seq.num_output_tokens))
                 noise[row].exponential_(generator=gen)
         # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p.
-        return (probs / noise).argmax(dim=-1)
+        return argmax(probs / noise)
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[dict[int, float] | None]:

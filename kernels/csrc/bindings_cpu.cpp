@@ -10,4 +10,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding, "NeoX-style rotary embedding, in place (CPU)");
   m.def("reshape_and_cache", &reshape_and_cache, "K/V rows into their cache slots (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");
+  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (CPU)");
 }

@@ -23,3 +23,5 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 // kernels/cache_ops.py: reshape_and_cache_ref, any dtype (rows are copied bytewise)
 void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
                        torch::Tensor slot_mapping);
+// kernels/argmax.py: argmax_ref (float32 and bfloat16 rows)
+torch::Tensor argmax_rows(torch::Tensor logits);
