@@ -125,7 +125,9 @@ async def test_requests_sharded_over_streams(llama_ckpt, cluster_url, redis_url,
 async def test_a_worker_killed_on_the_cluster_is_resumed_by_another(cluster, cluster_url, tmp_path):
     """Two workers, jobs over two request streams (two slots); one is SIGKILLed mid-generation."""
     ckpt = long_context_checkpoint(tmp_path / "ckpt")
-    params = {"max_tokens": 300, "temperature": 0.0, "ignore_eos": True}
+    # Long enough to be mid-generation when the test looks: at 300 tokens the jobs of a fresh-clone
+    # run (the test process starved for CPU by the two workers) had finished before the kill.
+    params = {"max_tokens": 1500, "temperature": 0.0, "ignore_eos": True}
     prompts = [f"long cluster job {i}" for i in range(4)]
     names = Names(cluster=True, shards=2)
     procs = {name: worker_process(ckpt, cluster_url, "--consumer", name, "--claim-idle", "1.0",
@@ -139,6 +141,7 @@ async def test_a_worker_killed_on_the_cluster_is_resumed_by_another(cluster, clu
         await wait_for(lambda: all(len(events_of(cluster_url, i)) >= 5 for i in ids), timeout=60, interval=0.02)
         owners = {p["consumer"].decode() for stream in names.request_streams
                   for p in probe.xpending_range(stream, names.group, "-", "+", 10)}
+        assert owners, "every job finished before the kill"
         victim = sorted(owners)[0]
         os.kill(procs[victim].pid, signal.SIGKILL)
         assert any(events_of(cluster_url, i)[-1]["type"] == "token" for i in ids), "finished before the kill"
