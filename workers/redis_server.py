@@ -88,8 +88,10 @@ class RedisServer:
             args += ["--requirepass", self.password]
         if self.cluster:
             # The bus port is given: the default (port + 10000) does not exist for ports above 55535.
+            # A 15 s node timeout: at 2 s a node starved of CPU by two busy workers on a 2-core
+            # machine was marked failed, and with no replicas the whole cluster went down.
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                     "--cluster-node-timeout", "2000", "--cluster-port", str(free_port())]
+                     "--cluster-node-timeout", "15000", "--cluster-port", str(free_port())]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=self.new_session,
                                      preexec_fn=_parent_death_signal() if self.die_with_parent else None)
