@@ -22,8 +22,10 @@ def paged_decode_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, val
 
 def paged_prefill_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                 block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                                seq_lens: torch.Tensor, scale: float, bf16_dot: bool = True) -> torch.Tensor:
     """float32 and bfloat16. `query_start_loc` may be offset (the backend passes the rows after
-    the step's decodes): only differences between its entries count."""
+    the step's decodes): only differences between its entries count. `bf16_dot=False` keeps
+    bfloat16 on float32 products even where the CPU has AVX-512 BF16 (what other CPUs run)."""
     return module().paged_prefill_attention(query, key_cache, value_cache, block_tables,
-                                            query_start_loc.to(torch.int32), seq_lens.to(torch.int32), scale)
+                                            query_start_loc.to(torch.int32), seq_lens.to(torch.int32), scale,
+                                            bf16_dot)

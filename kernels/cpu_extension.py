@@ -33,7 +33,7 @@ def _cpu_signature() -> str:
     except (OSError, StopIteration):
         flags = platform.processor()
     key = flags + torch.__version__ + " ".join(_CFLAGS)
-    key += (_CSRC / "cpu_ops.h").read_text() + (_CSRC / "vec_cpu.h").read_text()
+    key += "".join(header.read_text() for header in sorted(_CSRC.glob("*.h")))
     for source in _SOURCES:
         key += source.read_text() + str(source.resolve())
     return hashlib.sha1(key.encode()).hexdigest()[:12]

@@ -6,10 +6,11 @@
 // kernels/paged_attention.py: paged_decode_attention_ref
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
-// kernels/paged_attention.py: paged_prefill_attention_ref (float32 and bfloat16)
+// kernels/paged_attention.py: paged_prefill_attention_ref (float32 and bfloat16). `bf16_dot`:
+// bfloat16 products with AVX-512 BF16 where the CPU has it (false: float32 products, as elsewhere)
 torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                       torch::Tensor block_tables, torch::Tensor query_start_loc,
-                                      torch::Tensor seq_lens, double scale);
+                                      torch::Tensor seq_lens, double scale, bool bf16_dot);
 // kernels/rms_norm.py: rms_norm_ref(x, weight, eps)
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 // kernels/rms_norm.py: rms_norm_ref(x, weight, eps, residual), in place: residual <- x + residual,
