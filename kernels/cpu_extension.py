@@ -20,8 +20,8 @@ import torch
 
 log = logging.getLogger("streamer.kernels")
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / "paged_decode_cpu.cpp", _CSRC / "paged_prefill_cpu.cpp", _CSRC / "elementwise_cpu.cpp",
-            _CSRC / "bindings_cpu.cpp"]
+_SOURCES = [_CSRC / "paged_decode_cpu.cpp", _CSRC / "decode_shared_prefix_cpu.cpp", _CSRC / "paged_prefill_cpu.cpp",
+            _CSRC / "elementwise_cpu.cpp", _CSRC / "bindings_cpu.cpp"]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 
 

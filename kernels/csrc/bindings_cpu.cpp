@@ -4,6 +4,7 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("decode_prefix_groups", &decode_prefix_groups, "sequences the decode kernel attends together (CPU)");
   m.def("paged_prefill_attention", &paged_prefill_attention, "paged prefill/extend attention (CPU)",
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("bf16_dot") = true);

@@ -6,6 +6,10 @@
 // kernels/paged_attention.py: paged_decode_attention_ref
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+// The groups of sequences whose decodes the kernel above attends together over their shared
+// leading blocks (decode_shared_prefix_cpu.h): (members, shared blocks) each
+std::vector<std::pair<std::vector<int64_t>, int64_t>> decode_prefix_groups(torch::Tensor block_tables,
+                                                                           torch::Tensor seq_lens, int64_t block_size);
 // kernels/paged_attention.py: paged_prefill_attention_ref (float32 and bfloat16). `bf16_dot`:
 // bfloat16 products with AVX-512 BF16 where the CPU has it (false: float32 products, as elsewhere)
 torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,

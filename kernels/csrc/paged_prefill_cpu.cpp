@@ -2,19 +2,13 @@
 // its cached context and to each other, K/V read through the block table. Defined by
 // `paged_prefill_attention_ref` (kernels/paged_attention.py).
 //
-// Flash-attention tiling with the grouped query heads folded into the rows: a task is one
-// sequence, one KV head and kTaskRows query rows (consecutive positions x the query heads that
-// share the KV head: no K/V copy per query head, as the fused ATen kernel needs). Keys go
-// kKeyTile at a time, packed once per task and tile, then two register-tiled products
-// (tile_gemm_cpu.h): scores = Q K^T, out += P V, with the softmax online in between, in float32.
-// Key tiles past a task's last position are never visited (causal), so a prompt costs half its
-// square; a short extend over a long context is a few rows over many keys and needs no padding or
-// mask. The products run in float32 (F32Packing), or for bfloat16 on CPUs with AVX-512 BF16 on
-// bfloat16 pairs (Bf16DotPacking: half the instructions; the weights P are rounded to bfloat16
-// for the second product). Outputs round once. Any head size: rows are zero padded.
+// A task is one sequence, one KV head and kTaskRows query rows: consecutive positions x the
+// query heads that share the KV head (no K/V copy per query head, as the fused ATen kernel
+// needs), attended by attention_rows_cpu.h's flash-attention tiles. Key tiles past a task's last
+// position are never visited (causal), so a prompt costs half its square; a short extend over a
+// long context is a few rows over many keys and needs no padding or mask.
 #include "cpu_ops.h"
-#include "tile_gemm_cpu.h"
-#include "vec_cpu.h"
+#include "attention_rows_cpu.h"
 #include <ATen/Parallel.h>
 #include <omp.h>
 
@@ -28,201 +22,12 @@
 
 namespace {
 
-constexpr int64_t kTaskRows = 96;  // query rows per task (positions x the query heads of one KV head)
-constexpr int64_t kKeyTile = 64;   // keys per step (even: the bfloat16 pairs take two keys at a time)
-constexpr float kMasked = -1e30f;  // finite "minus infinity": the kernel is built with -ffast-math
-
-struct Shape {
-  int64_t heads, kv_heads, group, D, Dp, block_size, max_blocks;  // Dp: D zero padded for the packing
-  int64_t positions_per_task() const { return std::max<int64_t>(1, kTaskRows / group); }
-  int64_t max_rows() const { return (positions_per_task() * group + kW - 1) / kW * kW; }
-};
+using namespace attention_rows;
 
 // A task: one sequence, one KV head, query positions [q0, q1) of its new tokens.
 struct Task {
   int64_t seq, kv_head, q0, q1;
 };
-
-// One head's row of D values as Dp floats (zero padded).
-template <typename scalar_t>
-inline void load_row(const scalar_t* src, int64_t D, int64_t Dp, float* dst) {
-  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-    if (D == Dp) return widen(src, dst, D);
-  }
-  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]);
-  for (int64_t d = D; d < Dp; ++d) dst[d] = 0.f;
-}
-
-// float32 products: K and V widened to float32, the scale folded into Q. Q is kept transposed
-// (qt[d][r]) and the scores too (keys x rows), so that the softmax runs down columns, a vector of
-// rows at a time, and the K and V tiles are plain row copies.
-template <typename scalar_t>
-struct F32Packing {
-  using E = F32Elements;
-  static constexpr bool kScaledScores = false;
-  static int64_t padded_head(int64_t D) { return (D + kW - 1) / kW * kW; }
-
-  struct Buffers {
-    std::vector<float> qt, k, v;
-    explicit Buffers(const Shape& sh) : qt(sh.Dp * sh.max_rows()), k(kKeyTile * sh.Dp), v(kKeyTile * sh.Dp) {}
-  };
-
-  template <typename RowFn>
-  static void queries(RowFn q_row, int64_t M, int64_t Mp, const Shape& sh, float scale, Buffers& b) {
-    float buf[512];  // head sizes up to 512
-    std::fill(b.qt.begin(), b.qt.begin() + sh.Dp * Mp, 0.f);
-    for (int64_t r = 0; r < M; ++r) {
-      load_row(q_row(r), sh.D, sh.Dp, buf);
-      for (int64_t d = 0; d < sh.Dp; ++d) b.qt[d * Mp + r] = buf[d] * scale;
-    }
-  }
-
-  template <typename KRow, typename VRow>
-  static void keys(KRow k_row, VRow v_row, int64_t n, const Shape& sh, Buffers& b) {
-    for (int64_t j = 0; j < n; ++j) {
-      load_row(k_row(j), sh.D, sh.Dp, b.k.data() + j * sh.Dp);
-      load_row(v_row(j), sh.D, sh.Dp, b.v.data() + j * sh.Dp);
-    }
-  }
-
-  static void scores(int64_t n, int64_t Mp, const Shape& sh, const Buffers& b, float* st) {  // st [n][Mp]
-    tile_gemm_product<E>(b.k.data(), sh.Dp, 1, b.qt.data(), Mp, n, Mp, sh.Dp, st, Mp, false);
-  }
-
-  static void weighted_values(int64_t n, int64_t Mp, const Shape& sh, const float* p, Buffers& b, float* o) {
-    tile_gemm_product<E>(p, 1, Mp, b.v.data(), sh.Dp, Mp, sh.Dp, n, o, sh.Dp, true);  // o += P V
-  }
-};
-
-#if defined(__AVX512BF16__)
-// bfloat16 products with vdpbf16ps: every operand in pairs along the reduction. Q as qp[d/2][r]
-// (word d/2 of each row: no conversion), K rows as they are (padded to Dp), V with two keys
-// interleaved (vp[j/2][d] holds V[j][d], V[j+1][d]), and the weights P rounded to bfloat16 pairs
-// the same way, as flash attention does for its second product. The scale is applied to the
-// float32 scores (rounding a scaled Q would add an error of its own).
-struct Bf16DotPacking {
-  using E = Bf16PairElements;
-  static constexpr bool kScaledScores = true;
-  static int64_t padded_head(int64_t D) { return (D + 31) / 32 * 32; }  // whole 32-value vectors
-
-  struct Buffers {
-    std::vector<uint32_t> qp, k, vp, pp;
-    explicit Buffers(const Shape& sh)
-        : qp(sh.Dp / 2 * sh.max_rows()), k(kKeyTile * sh.Dp / 2), vp(kKeyTile / 2 * sh.Dp),
-          pp(kKeyTile / 2 * sh.max_rows()) {}
-  };
-
-  // A row's Dp bfloat16 as bits: in place when D == Dp, else zero padded into `buf`.
-  static const uint16_t* padded(const at::BFloat16* src, const Shape& sh, uint16_t* buf) {
-    if (sh.D == sh.Dp) return reinterpret_cast<const uint16_t*>(src);
-    std::memcpy(buf, src, sh.D * 2);
-    std::fill(buf + sh.D, buf + sh.Dp, uint16_t{0});
-    return buf;
-  }
-
-  // 16-bit lanes gathered by index (0-31 from `a`, 32-63 from `b`): idx[2i] = first + i,
-  // idx[2i + 1] = second + i.
-  static __m512i pairs(__m512i a, __m512i b, int first, int second) {
-    alignas(64) uint16_t idx[32];
-    for (int i = 0; i < 16; ++i) idx[2 * i] = static_cast<uint16_t>(first + i), idx[2 * i + 1] = static_cast<uint16_t>(second + i);
-    return _mm512_permutex2var_epi16(a, _mm512_load_si512(idx), b);
-  }
-
-  template <typename RowFn>
-  static void queries(RowFn q_row, int64_t M, int64_t Mp, const Shape& sh, float, Buffers& b) {
-    uint16_t buf[512];
-    const int64_t words = sh.Dp / 2;
-    std::fill(b.qp.begin(), b.qp.begin() + words * Mp, 0u);
-    for (int64_t r = 0; r < M; ++r) {
-      const uint16_t* row = padded(q_row(r), sh, buf);
-      for (int64_t w = 0; w < words; ++w) std::memcpy(&b.qp[w * Mp + r], row + 2 * w, 4);
-    }
-  }
-
-  template <typename KRow, typename VRow>
-  static void keys(KRow k_row, VRow v_row, int64_t n, const Shape& sh, Buffers& b) {
-    static const uint16_t zeros[512] = {};
-    uint16_t buf0[512], buf1[512];
-    for (int64_t j = 0; j < n; ++j) std::memcpy(&b.k[j * sh.Dp / 2], padded(k_row(j), sh, buf0), sh.Dp * 2);
-    for (int64_t j = 0; j < n; j += 2) {  // an odd tile's last pair takes a zero row: never garbage
-      const uint16_t* v0 = padded(v_row(j), sh, buf0);
-      const uint16_t* v1 = j + 1 < n ? padded(v_row(j + 1), sh, buf1) : zeros;
-      uint32_t* dst = &b.vp[j / 2 * sh.Dp];
-      for (int64_t d = 0; d < sh.Dp; d += 32) {
-        const __m512i x = _mm512_loadu_si512(v0 + d), y = _mm512_loadu_si512(v1 + d);
-        _mm512_storeu_si512(dst + d, pairs(x, y, 0, 32));        // V[j][d + i], V[j + 1][d + i], i < 16
-        _mm512_storeu_si512(dst + d + 16, pairs(x, y, 16, 48));  // the same for 16 <= i < 32
-      }
-    }
-  }
-
-  static void scores(int64_t n, int64_t Mp, const Shape& sh, const Buffers& b, float* st) {
-    tile_gemm_product<E>(b.k.data(), sh.Dp / 2, 1, b.qp.data(), Mp, n, Mp, sh.Dp / 2, st, Mp, false);
-  }
-
-  static void weighted_values(int64_t n, int64_t Mp, const Shape& sh, const float* p, Buffers& b, float* o) {
-    for (int64_t j = 0; j < n; j += 2)
-      for (int64_t r0 = 0; r0 < Mp; r0 += kW) {
-        const __m512 p0 = _mm512_loadu_ps(p + j * Mp + r0);
-        const __m512 p1 = j + 1 < n ? _mm512_loadu_ps(p + (j + 1) * Mp + r0) : _mm512_setzero_ps();
-        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // 16-bit lanes: p0's, then p1's
-        _mm512_storeu_si512(&b.pp[j / 2 * Mp + r0], pairs(both, both, 0, 16));
-      }
-    tile_gemm_product<E>(b.pp.data(), 1, Mp, b.vp.data(), sh.Dp, Mp, sh.Dp, (n + 1) / 2, o, sh.Dp, true);
-  }
-};
-#endif
-
-// The softmax state of a task's rows: scores (keys x rows), running max and sum, output, and
-// each row's position.
-struct Rows {
-  std::vector<float> st, o, m, l, pos;
-  explicit Rows(const Shape& sh)
-      : st(kKeyTile * sh.max_rows()), o(sh.max_rows() * sh.Dp), m(sh.max_rows()), l(sh.max_rows()),
-        pos(sh.max_rows()) {}
-};
-
-template <typename Pack>
-struct Workspace {  // a thread's (~100 KiB at head size 64: L2-resident)
-  Rows rows;
-  typename Pack::Buffers buffers;
-  explicit Workspace(const Shape& sh) : rows(sh), buffers(sh) {}
-};
-
-// Online softmax over one tile's scores (keys x rows), in place: they become the weights P. A
-// vector of rows at a time; rescales their running sums and outputs. `causal`: some key of the
-// tile lies past some row's position; `scale`: applied to the scores here unless 1.
-void softmax_step(int64_t k0, int64_t n, int64_t Mp, int64_t Dp, bool causal, float scale, Rows& w) {
-  const bool scaled = scale != 1.f;
-  for (int64_t r0 = 0; r0 < Mp; r0 += kW) {
-    const vfloat pos = vload(w.pos.data() + r0), old_max = vload(w.m.data() + r0);
-    vfloat top = old_max;
-    for (int64_t j = 0; j < n; ++j) {
-      float* s = w.st.data() + j * Mp + r0;
-      vfloat x = vload(s);
-      if (scaled) x *= scale;
-      if (causal) x = pos >= static_cast<float>(k0 + j) ? x : kMasked;
-      if (scaled || causal) vstore(s, x);
-      top = top > x ? top : x;
-    }
-    vfloat sum{};
-    for (int64_t j = 0; j < n; ++j) {
-      float* s = w.st.data() + j * Mp + r0;
-      const vfloat p = vexp(vload(s) - top);  // 0 where masked: every row has seen key 0 by now
-      vstore(s, p);
-      sum += p;
-    }
-    float rescale[kW];
-    vstore(rescale, vexp(old_max - top));  // 0 on the first tile
-    vstore(w.l.data() + r0, vload(w.l.data() + r0) * vload(rescale) + sum);
-    vstore(w.m.data() + r0, top);
-    for (int64_t i = 0; i < kW; ++i) {
-      if (rescale[i] == 1.f) continue;
-      float* o = w.o.data() + (r0 + i) * Dp;
-      for (int64_t d = 0; d < Dp; d += kW) vstore(o + d, vload(o + d) * rescale[i]);
-    }
-  }
-}
 
 template <typename scalar_t, typename Pack>
 class PrefillKernel {
@@ -233,33 +38,18 @@ class PrefillKernel {
 
   // `row0`: the sequence's first token row; `context`: its cached positions before the new ones.
   void run(const Task& t, int64_t row0, int64_t context, Workspace<Pack>& w) const {
-    const int64_t G = sh_.group, Dp = sh_.Dp, M = (t.q1 - t.q0) * G, Mp = (M + kW - 1) / kW * kW;
-    Rows& rows = w.rows;
-    Pack::queries([&](int64_t r) { return query_row(q_, t, row0, r); }, M, Mp, sh_, scale_, w.buffers);
-    for (int64_t r = 0; r < Mp; ++r) rows.pos[r] = r < M ? static_cast<float>(context + t.q0 + r / G) : 1e9f;
-    std::fill(rows.o.begin(), rows.o.begin() + Mp * Dp, 0.f);
-    std::fill(rows.m.begin(), rows.m.begin() + Mp, kMasked);
-    std::fill(rows.l.begin(), rows.l.begin() + Mp, 0.f);
-    const float score_scale = Pack::kScaledScores ? scale_ : 1.f;
-    const int64_t keys = context + t.q1;  // the last row's position + 1: keys past it are masked for all
-    for (int64_t k0 = 0; k0 < keys; k0 += kKeyTile) {
-      const int64_t n = std::min(kKeyTile, keys - k0);
-      Pack::keys([&](int64_t j) { return cache_row(k_, t, k0 + j); }, [&](int64_t j) { return cache_row(v_, t, k0 + j); },
-                 n, sh_, w.buffers);
-      Pack::scores(n, Mp, sh_, w.buffers, rows.st.data());
-      softmax_step(k0, n, Mp, Dp, k0 + n - 1 > context + t.q0, score_scale, rows);
-      Pack::weighted_values(n, Mp, sh_, rows.st.data(), w.buffers, rows.o.data());
-    }
-    store(t, row0, M, rows);
+    const int64_t G = sh_.group, M = (t.q1 - t.q0) * G;
+    for (int64_t r = 0; r < M; ++r) w.rows.pos[r] = static_cast<float>(context + t.q0 + r / G);
+    const int32_t* table = tables_ + t.seq * sh_.max_blocks;
+    attend_rows<Pack>([&](int64_t r) { return query_row(q_, t, row0, r); },
+                      M, [&](int64_t j) { return cache_row(k_, table, j, t.kv_head, sh_); },
+                      [&](int64_t j) { return cache_row(v_, table, j, t.kv_head, sh_); },
+                      context + t.q1,  // the last row's position + 1: keys past it are masked for all
+                      context + t.q0, sh_, scale_, w);
+    store(t, row0, M, w.rows);
   }
 
  private:
-  const scalar_t* cache_row(const scalar_t* cache, const Task& t, int64_t pos) const {
-    const int32_t* table = tables_ + t.seq * sh_.max_blocks;
-    const int64_t slot = static_cast<int64_t>(table[pos / sh_.block_size]) * sh_.block_size + pos % sh_.block_size;
-    return cache + (slot * sh_.kv_heads + t.kv_head) * sh_.D;
-  }
-
   // Rows are position-major: r = i * G + query head within the group.
   template <typename T>
   T* query_row(T* base, const Task& t, int64_t row0, int64_t r) const {
@@ -346,20 +136,17 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cac
                 "sequence ", b, ": its new tokens exceed its length or its length its block table");
   const Shape sh{H, KVH, H / KVH, D, 0, key_cache.size(1), block_tables.size(1)};
   auto out = torch::empty_like(query);
-  auto run = [&](auto* typed, auto* pack) {
+  auto run = [&](auto* typed) {
     using scalar_t = std::remove_pointer_t<decltype(typed)>;
-    using Pack = std::remove_pointer_t<decltype(pack)>;
-    prefill<scalar_t, Pack>(query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
-                            value_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(), starts, lens, B, sh,
-                            static_cast<float>(scale), out.data_ptr<scalar_t>());
+    with_packing<scalar_t>(bf16_dot, [&](auto* pack) {
+      prefill<scalar_t, std::remove_pointer_t<decltype(pack)>>(
+          query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
+          block_tables.data_ptr<int32_t>(), starts, lens, B, sh, static_cast<float>(scale), out.data_ptr<scalar_t>());
+    });
   };
   if (query.scalar_type() == at::kFloat)
-    run(static_cast<float*>(nullptr), static_cast<F32Packing<float>*>(nullptr));
-#if defined(__AVX512BF16__)
-  else if (bf16_dot)
-    run(static_cast<at::BFloat16*>(nullptr), static_cast<Bf16DotPacking*>(nullptr));
-#endif
+    run(static_cast<float*>(nullptr));
   else
-    run(static_cast<at::BFloat16*>(nullptr), static_cast<F32Packing<at::BFloat16>*>(nullptr));
+    run(static_cast<at::BFloat16*>(nullptr));
   return out;
 }
