@@ -11,6 +11,8 @@
 #pragma once
 #include "tile_gemm_cpu.h"
 #include "vec_cpu.h"
+#include <ATen/Parallel.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <array>
@@ -240,6 +242,18 @@ void attend_rows(QRow q_row, int64_t M, KRow k_row, VRow v_row, int64_t keys, in
     Pack::scores(n, Mp, sh, w.buffers, rows.st.data());
     softmax_step(k0, n, Mp, Dp, k0 + n - 1 > min_pos, score_scale, rows);
     Pack::weighted_values(n, Mp, sh, rows.st.data(), w.buffers, rows.o.data());
+  }
+}
+
+// fn(i, workspace) for every task i < num_tasks, on all threads, each with its own workspace.
+// Dynamic scheduling: tasks differ in cost (callers order them most expensive first).
+template <typename Pack, typename Fn>
+void for_each_task(int64_t num_tasks, const Shape& sh, Fn&& fn) {
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    Workspace<Pack> w(sh);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_tasks; ++i) fn(i, w);
   }
 }
 

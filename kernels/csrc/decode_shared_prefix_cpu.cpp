@@ -2,8 +2,6 @@
 #include "decode_shared_prefix_cpu.h"
 
 #include "attention_rows_cpu.h"
-#include <ATen/Parallel.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <map>
@@ -51,32 +49,26 @@ void attend_groups(const std::vector<PrefixGroup>& groups, const scalar_t* q, co
     for (int64_t first = 0; first < static_cast<int64_t>(g.members.size()); first += per_task)
       for (int64_t h = 0; h < sh.kv_heads; ++h)
         tasks.push_back({&g, first, std::min<int64_t>(per_task, g.members.size() - first), h});
-  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
-#pragma omp parallel num_threads(at::get_num_threads())
-  {
-    Workspace<Pack> w(sh);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_tasks; ++i) {
-      const SharedTask& t = tasks[i];
-      const int64_t* members = t.group->members.data() + t.first;
-      const int32_t* table = block_tables + members[0] * sh.max_blocks;
-      const int64_t M = t.count * G;
-      // Row r: member r / G, query head kv_head * G + r % G. Every shared key precedes every
-      // decode position: nothing is masked.
-      auto head_of = [&](int64_t r) { return members[r / G] * H + t.kv_head * G + r % G; };
-      for (int64_t r = 0; r < M; ++r) w.rows.pos[r] = 1e9f;
-      attend_rows<Pack>([&](int64_t r) { return q + head_of(r) * D; }, M,
-                        [&](int64_t j) { return cache_row(k_cache, table, j, t.kv_head, sh); },
-                        [&](int64_t j) { return cache_row(v_cache, table, j, t.kv_head, sh); },
-                        t.group->blocks * sh.block_size, INT64_MAX, sh, scale, w);
-      for (int64_t r = 0; r < M; ++r) {
-        const int64_t at = head_of(r);
-        states.m[at] = w.rows.m[r];
-        states.l[at] = w.rows.l[r];
-        std::copy_n(w.rows.o.data() + r * sh.Dp, D, states.acc.data() + at * D);
-      }
+  for_each_task<Pack>(static_cast<int64_t>(tasks.size()), sh, [&](int64_t i, Workspace<Pack>& w) {
+    const SharedTask& t = tasks[i];
+    const int64_t* members = t.group->members.data() + t.first;
+    const int32_t* table = block_tables + members[0] * sh.max_blocks;
+    const int64_t M = t.count * G;
+    // Row r: member r / G, query head kv_head * G + r % G. Every shared key precedes every
+    // decode position: nothing is masked.
+    auto head_of = [&](int64_t r) { return members[r / G] * H + t.kv_head * G + r % G; };
+    for (int64_t r = 0; r < M; ++r) w.rows.pos[r] = 1e9f;
+    attend_rows<Pack>([&](int64_t r) { return q + head_of(r) * D; }, M,
+                      [&](int64_t j) { return cache_row(k_cache, table, j, t.kv_head, sh); },
+                      [&](int64_t j) { return cache_row(v_cache, table, j, t.kv_head, sh); },
+                      t.group->blocks * sh.block_size, INT64_MAX, sh, scale, w);
+    for (int64_t r = 0; r < M; ++r) {
+      const int64_t at = head_of(r);
+      states.m[at] = w.rows.m[r];
+      states.l[at] = w.rows.l[r];
+      std::copy_n(w.rows.o.data() + r * sh.Dp, D, states.acc.data() + at * D);
     }
-  }
+  });
 }
 
 }  // namespace

@@ -95,17 +95,11 @@ void prefill(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache
   sh.Dp = Pack::padded_head(sh.D);
   const std::vector<Task> tasks = make_tasks(starts, seq_lens, num_seqs, sh);
   const PrefillKernel<scalar_t, Pack> kernel(q, k_cache, v_cache, block_tables, sh, scale, out);
-  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
-#pragma omp parallel num_threads(at::get_num_threads())
-  {
-    Workspace<Pack> w(sh);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_tasks; ++i) {
-      const Task& t = tasks[i];
-      const int64_t q_len = starts[t.seq + 1] - starts[t.seq];
-      kernel.run(t, starts[t.seq] - starts[0], seq_lens[t.seq] - q_len, w);
-    }
-  }
+  for_each_task<Pack>(static_cast<int64_t>(tasks.size()), sh, [&](int64_t i, Workspace<Pack>& w) {
+    const Task& t = tasks[i];
+    const int64_t q_len = starts[t.seq + 1] - starts[t.seq];
+    kernel.run(t, starts[t.seq] - starts[0], seq_lens[t.seq] - q_len, w);
+  });
 }
 
 }  // namespace
