@@ -79,6 +79,12 @@ struct F32Packing {
     tile_gemm_product<E>(b.k.data(), sh.Dp, 1, b.qt.data(), Mp, n, Mp, sh.Dp, st, Mp, false);
   }
 
+  // The weights of keys j and j + 1 (when j + 1 < n) for rows r0.. replace their scores.
+  static void store_weights(int64_t j, int64_t n, int64_t r0, int64_t Mp, vfloat p0, vfloat p1, float* st, Buffers&) {
+    vstore(st + j * Mp + r0, p0);
+    if (j + 1 < n) vstore(st + (j + 1) * Mp + r0, p1);
+  }
+
   static void weighted_values(int64_t n, int64_t Mp, const Shape& sh, const float* p, Buffers& b, float* o) {
     tile_gemm_product<E>(p, 1, Mp, b.v.data(), sh.Dp, Mp, sh.Dp, n, o, sh.Dp, true);  // o += P V
   }
@@ -112,10 +118,18 @@ struct Bf16DotPacking {
 
   // 16-bit lanes gathered by index (0-31 from `a`, 32-63 from `b`): idx[2i] = first + i,
   // idx[2i + 1] = second + i.
-  static __m512i pairs(__m512i a, __m512i b, int first, int second) {
+  struct PairIndex {
     alignas(64) uint16_t idx[32];
-    for (int i = 0; i < 16; ++i) idx[2 * i] = static_cast<uint16_t>(first + i), idx[2 * i + 1] = static_cast<uint16_t>(second + i);
-    return _mm512_permutex2var_epi16(a, _mm512_load_si512(idx), b);
+  };
+  static constexpr PairIndex pair_index(int first, int second) {
+    PairIndex p{};
+    for (int i = 0; i < 16; ++i) p.idx[2 * i] = static_cast<uint16_t>(first + i), p.idx[2 * i + 1] = static_cast<uint16_t>(second + i);
+    return p;
+  }
+  template <int First, int Second>
+  static __m512i pairs(__m512i a, __m512i b) {
+    static constexpr PairIndex kIndex = pair_index(First, Second);
+    return _mm512_permutex2var_epi16(a, _mm512_load_si512(kIndex.idx), b);
   }
 
   template <typename RowFn>
@@ -140,8 +154,8 @@ struct Bf16DotPacking {
       uint32_t* dst = &b.vp[j / 2 * sh.Dp];
       for (int64_t d = 0; d < sh.Dp; d += 32) {
         const __m512i x = _mm512_loadu_si512(v0 + d), y = _mm512_loadu_si512(v1 + d);
-        _mm512_storeu_si512(dst + d, pairs(x, y, 0, 32));        // V[j][d + i], V[j + 1][d + i], i < 16
-        _mm512_storeu_si512(dst + d + 16, pairs(x, y, 16, 48));  // the same for 16 <= i < 32
+        _mm512_storeu_si512(dst + d, pairs<0, 32>(x, y));        // V[j][d + i], V[j + 1][d + i], i < 16
+        _mm512_storeu_si512(dst + d + 16, pairs<16, 48>(x, y));  // the same for 16 <= i < 32
       }
     }
   }
@@ -150,14 +164,14 @@ struct Bf16DotPacking {
     tile_gemm_product<E>(b.k.data(), sh.Dp / 2, 1, b.qp.data(), Mp, n, Mp, sh.Dp / 2, st, Mp, false);
   }
 
-  static void weighted_values(int64_t n, int64_t Mp, const Shape& sh, const float* p, Buffers& b, float* o) {
-    for (int64_t j = 0; j < n; j += 2)
-      for (int64_t r0 = 0; r0 < Mp; r0 += kW) {
-        const __m512 p0 = _mm512_loadu_ps(p + j * Mp + r0);
-        const __m512 p1 = j + 1 < n ? _mm512_loadu_ps(p + (j + 1) * Mp + r0) : _mm512_setzero_ps();
-        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // 16-bit lanes: p0's, then p1's
-        _mm512_storeu_si512(&b.pp[j / 2 * Mp + r0], pairs(both, both, 0, 16));
-      }
+  // The weights of keys j and j + 1 for rows r0.. as bfloat16 pairs (pp[j/2][r]), straight from
+  // the softmax: the float32 weights are never stored.
+  static void store_weights(int64_t j, int64_t, int64_t r0, int64_t Mp, vfloat p0, vfloat p1, float*, Buffers& b) {
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0);  // 16-bit lanes: p0's, then p1's
+    _mm512_storeu_si512(&b.pp[j / 2 * Mp + r0], pairs<0, 16>(both, both));
+  }
+
+  static void weighted_values(int64_t n, int64_t Mp, const Shape& sh, const float*, Buffers& b, float* o) {
     tile_gemm_product<E>(b.pp.data(), 1, Mp, b.vp.data(), sh.Dp, Mp, sh.Dp, (n + 1) / 2, o, sh.Dp, true);
   }
 };
@@ -179,28 +193,32 @@ struct Workspace {  // a thread's (~100 KiB at head size 64: L2-resident)
   explicit Workspace(const Shape& sh) : rows(sh), buffers(sh) {}
 };
 
-// Online softmax over one tile's scores (keys x rows), in place: they become the weights P. A
-// vector of rows at a time; rescales their running sums and outputs. `causal`: some key of the
-// tile lies past some row's position; `scale`: applied to the scores here unless 1.
-inline void softmax_step(int64_t k0, int64_t n, int64_t Mp, int64_t Dp, bool causal, float scale, Rows& w) {
-  const bool scaled = scale != 1.f;
+// Online softmax over one tile's scores (keys x rows), a vector of rows at a time: the weights P
+// go to Pack::store_weights, the running sums and outputs are rescaled. Two passes: the max of
+// the raw scores, then P = e^(scale * s - max) two keys at a time (the bfloat16 packing stores
+// them as pairs). `causal`: some key of the tile lies past some row's position, and is masked.
+template <typename Pack>
+void softmax_step(int64_t k0, int64_t n, int64_t Mp, int64_t Dp, bool causal, float scale, Rows& w,
+                  typename Pack::Buffers& b) {
   for (int64_t r0 = 0; r0 < Mp; r0 += kW) {
     const vfloat pos = vload(w.pos.data() + r0), old_max = vload(w.m.data() + r0);
-    vfloat top = old_max;
-    for (int64_t j = 0; j < n; ++j) {
-      float* s = w.st.data() + j * Mp + r0;
-      vfloat x = vload(s);
-      if (scaled) x *= scale;
-      if (causal) x = pos >= static_cast<float>(k0 + j) ? x : kMasked;
-      if (scaled || causal) vstore(s, x);
-      top = top > x ? top : x;
+    auto score = [&](int64_t j) {
+      const vfloat x = vload(w.st.data() + j * Mp + r0);
+      return causal ? (pos >= static_cast<float>(k0 + j) ? x : kMasked) : x;
+    };
+    vfloat raw_top = score(0);
+    for (int64_t j = 1; j < n; ++j) {
+      const vfloat x = score(j);
+      raw_top = raw_top > x ? raw_top : x;
     }
+    const vfloat tile_top = raw_top * scale;  // scale > 0: the max of the scaled scores
+    const vfloat top = old_max > tile_top ? old_max : tile_top;
     vfloat sum{};
-    for (int64_t j = 0; j < n; ++j) {
-      float* s = w.st.data() + j * Mp + r0;
-      const vfloat p = vexp(vload(s) - top);  // 0 where masked: every row has seen key 0 by now
-      vstore(s, p);
-      sum += p;
+    for (int64_t j = 0; j < n; j += 2) {  // 0 where masked: every row has seen key 0 by now
+      const vfloat p0 = vexp(score(j) * scale - top);
+      const vfloat p1 = j + 1 < n ? vexp(score(j + 1) * scale - top) : vfloat{};
+      sum += p0 + p1;
+      Pack::store_weights(j, n, r0, Mp, p0, p1, w.st.data(), b);
     }
     float rescale[kW];
     vstore(rescale, vexp(old_max - top));  // 0 on the first tile
@@ -240,7 +258,7 @@ void attend_rows(QRow q_row, int64_t M, KRow k_row, VRow v_row, int64_t keys, in
     const int64_t n = std::min(kKeyTile, keys - k0);
     Pack::keys([&](int64_t j) { return k_row(k0 + j); }, [&](int64_t j) { return v_row(k0 + j); }, n, sh, w.buffers);
     Pack::scores(n, Mp, sh, w.buffers, rows.st.data());
-    softmax_step(k0, n, Mp, Dp, k0 + n - 1 > min_pos, score_scale, rows);
+    softmax_step<Pack>(k0, n, Mp, Dp, k0 + n - 1 > min_pos, score_scale, rows, w.buffers);
     Pack::weighted_values(n, Mp, sh, rows.st.data(), w.buffers, rows.o.data());
   }
 }

@@ -195,6 +195,64 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tenso
   });
 }
 
+// kW values of Num<T> as floats and back (bfloat16: the shifts and the rounding of Num, a
+// vector at a time; with AVX-512 by one zero-extending load and one narrowing store, which GCC's
+// generic conversions split in halves where it tunes for 256-bit vectors).
+inline vu32 bf16_bits_rounded(vfloat v) {  // the bfloat16 nearest v, in the top half (ties to even)
+  vu32 u;
+  std::memcpy(&u, &v, sizeof u);
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+}
+
+template <typename T>
+inline vfloat load_vec(const typename Num<T>::raw* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return vload(p);
+  } else {
+    vfloat f;
+    widen(reinterpret_cast<const at::BFloat16*>(p), reinterpret_cast<float*>(&f), kW);
+    return f;
+  }
+}
+
+template <typename T>
+inline void store_vec(typename Num<T>::raw* p, vfloat v) {
+  if constexpr (std::is_same_v<T, float>) {
+    vstore(p, v);
+  } else {
+    const vu32 top = bf16_bits_rounded(v) >> 16;
+#if defined(__AVX512F__)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16((__m512i)top));
+#else
+    const vu16 h = __builtin_convertvector(top, vu16);
+    std::memcpy(p, &h, sizeof h);
+#endif
+  }
+}
+
+template <typename T>
+inline vfloat round_vec(vfloat v) {  // rnd<T> on a vector
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    const vu32 bits = bf16_bits_rounded(v);
+    vfloat f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  }
+}
+
+// SiLU(gate) * up for kW values, with the inlined vexp (libmvec's expf is a call per vector):
+// float32 1.15-1.3x the omp simd loop it replaces, bfloat16 level with it (paired, 32 and 1,024
+// rows). e^-g is clamped where it would overflow (SiLU is 0 there).
+template <typename T>
+inline void silu_and_mul_vector(const typename Num<T>::raw* gate, const typename Num<T>::raw* up,
+                                typename Num<T>::raw* o) {
+  const vfloat g = load_vec<T>(gate), neg = -g;
+  const vfloat silu = g / (1.f + vexp(neg < 88.f ? neg : 88.f));
+  store_vec<T>(o, round_vec<T>(silu) * load_vec<T>(up));
+}
+
 torch::Tensor silu_and_mul(torch::Tensor x) {
   check_rows(x, "x");
   const int64_t n = x.size(1) / 2, ld = x.stride(0);
@@ -208,8 +266,9 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
         const auto* gate = xp + t * ld;
         const auto* up = gate + n;
         auto* o = op + t * n;
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) {
+        const int64_t whole = n / kW * kW;
+        for (int64_t i = 0; i < whole; i += kW) silu_and_mul_vector<T>(gate + i, up + i, o + i);
+        for (int64_t i = whole; i < n; ++i) {
           const float g = Num<T>::get(gate[i]);
           o[i] = Num<T>::put(rnd<T>(g / (1.f + std::exp(-g))) * Num<T>::get(up[i]));
         }

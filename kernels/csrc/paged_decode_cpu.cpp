@@ -250,21 +250,17 @@ void attend_positions(const float* q, const float* const* krow, const float* con
     for (int c = 1; c < C; ++c) a += qv[c] * vload(krow[j] + c * kW);
     p[j] = a;
   }
-  float s[kW];
-  const vfloat scores = reduce_lanes(p);
-  std::memcpy(s, &scores, sizeof s);
-  for (int64_t j = n; j < kW; ++j) s[j] = -1e30f;  // finite: the kernel is built with -ffast-math
-  float block_max = m;
-  for (int j = 0; j < kW; ++j) block_max = std::max(block_max, s[j]);
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)  // vectorized expf (libmvec) under -ffast-math
-  for (int j = 0; j < kW; ++j) {
-    s[j] = std::exp(s[j] - block_max);  // 0 past n
-    sum += s[j];
-  }
-  const float rescale = std::exp(m - block_max);  // underflows to 0 on the first positions
-  l = l * rescale + sum;
+  // The softmax over the kW lanes in vectors: lanes past n weigh 0.
+  vint lane;
+  for (int j = 0; j < kW; ++j) lane[j] = j;
+  const vfloat scores = lane < static_cast<int>(n) ? reduce_lanes(p) : -1e30f;  // finite: built with -ffast-math
+  const float block_max = std::max(m, hmax(scores));
+  const vfloat e = vexp(scores - block_max);
+  const float rescale = vexp(vfloat{} + (m - block_max))[0];  // 0 on the first positions
+  l = l * rescale + hsum(e);
   m = block_max;
+  float s[kW];
+  vstore(s, e);
   vfloat av[C];
   for (int c = 0; c < C; ++c) av[c] = vload(acc + c * kW) * rescale;
   for (int j = 0; j < kW; ++j)

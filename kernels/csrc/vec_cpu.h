@@ -56,22 +56,40 @@ typedef int32_t vint __attribute__((vector_size(kW * 4)));
 
 // e^x lane by lane, inlined (libmvec's expf is a call per vector, and handles cases softmax never
 // meets): x = n ln2 + r with |r| <= ln2/2, e^r by Cephes' expf polynomial (relative error ~1e-7),
-// 2^n built in the exponent bits. Lanes below -87 (e^x under float's normal range) give 0, so a
-// masked score of -1e30 weighs exactly nothing. Rounding is done by integer conversion, which
-// -ffast-math cannot reassociate away.
+// times 2^n. Lanes below -87 (e^x under float's normal range) give 0, so a masked score of -1e30
+// weighs exactly nothing.
+inline vfloat exp_reduced(vfloat r) {  // e^r for |r| <= ln2/2
+  vfloat p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r + 1.f;
+}
+
+#if defined(__AVX512F__)
+// AVX-512 rounds (vrndscaleps) and scales by 2^n (vscalefps, zeroing the underflowed lanes under
+// a mask) in one instruction each: 14 instructions a vector against the portable version's 22,
+// which matters in the softmax of the attention kernels.
+inline vfloat vexp(vfloat x) {
+  const __m512 v = (__m512)x;
+  const __mmask16 live = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 hi = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), hi);
+  return (vfloat)_mm512_maskz_scalef_ps(live, (__m512)exp_reduced((vfloat)r), n);
+}
+#else
+// 2^n built in the exponent bits; rounding by integer conversion, which -ffast-math cannot
+// reassociate away.
 inline vfloat vexp(vfloat x) {
   const vint underflow = x < -87.f;
   x = x < -87.f ? -87.f : x;
   const vfloat t = x * 1.44269504f;
   const vint n = __builtin_convertvector(t + (t >= 0.f ? 0.5f : -0.5f), vint);
   const vfloat nf = __builtin_convertvector(n, vfloat);
-  const vfloat r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
-  vfloat p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
+  const vfloat p = exp_reduced((x - nf * 0.693359375f) + nf * 2.12194440e-4f);
   vint bits;
   std::memcpy(&bits, &p, sizeof bits);
   bits += (n << 23);
@@ -79,4 +97,26 @@ inline vfloat vexp(vfloat x) {
   vfloat out;
   std::memcpy(&out, &bits, sizeof out);
   return out;
+}
+#endif
+
+// Sum and max of a vector's lanes.
+inline float hsum(vfloat v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)v);
+#else
+  float s = 0.f;
+  for (int i = 0; i < kW; ++i) s += v[i];
+  return s;
+#endif
+}
+
+inline float hmax(vfloat v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps((__m512)v);
+#else
+  float m = v[0];
+  for (int i = 1; i < kW; ++i) m = m > v[i] ? m : v[i];
+  return m;
+#endif
 }
