@@ -134,6 +134,25 @@ def test_bfloat16_silu_and_mul_rounds_as_the_reference(tokens, inter):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_at_the_extremes_and_past_the_last_whole_vector(dtype):
+    """Gates where e^-g overflows or vanishes (|g| up to 500; SiLU down to ~1e-37 near g = -88.5,
+    where a reciprocal of 1 + e^-g would be subnormal), and a width that leaves a tail past the
+    last whole vector (100 = 6 x 16 + 4): the vector body and the scalar tail must agree with the
+    reference, finite everywhere."""
+    gen = torch.Generator().manual_seed(7)
+    gate = torch.randn(9, 100, generator=gen) * 4
+    gate[:, ::7] = torch.tensor([-500.0, -120.0, -88.5, -87.0, 0.0, 87.0, 88.5, 120.0, 500.0]).repeat(2)[:15]
+    gate[:, 96:] = torch.tensor([-500.0, -88.5, -84.0, 120.0])  # the tail too
+    x = torch.cat([gate, torch.randn(9, 100, generator=gen)], dim=1).to(dtype)
+    out, ref = silu_and_mul_cpu(x), silu_and_mul_ref(x)
+    assert torch.isfinite(out).all()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-30)
+    else:
+        assert_bf16_close(out, ref, max_ulps=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens, kv_heads, head_size, block_size",
                          [(1, 4, 64, 16), (37, 2, 128, 32), (300, 8, 64, 16)])
 def test_cache_write_matches_reference_from_the_qkv_split(dtype, tokens, kv_heads, head_size, block_size):

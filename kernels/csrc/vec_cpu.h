@@ -81,8 +81,9 @@ inline vfloat vexp(vfloat x) {
   return (vfloat)_mm512_maskz_scalef_ps(live, (__m512)exp_reduced((vfloat)r), n);
 }
 #else
-// 2^n built in the exponent bits; rounding by integer conversion, which -ffast-math cannot
-// reassociate away.
+// 2^n built in the exponent bits (2^(n-1) and a doubling where n > 0, so that e^x up to float's
+// largest, n = 128, stays finite); rounding by integer conversion, which -ffast-math cannot
+// reassociate away. Callers keep x below ln(FLT_MAX) = 88.72.
 inline vfloat vexp(vfloat x) {
   const vint underflow = x < -87.f;
   x = x < -87.f ? -87.f : x;
@@ -90,13 +91,14 @@ inline vfloat vexp(vfloat x) {
   const vint n = __builtin_convertvector(t + (t >= 0.f ? 0.5f : -0.5f), vint);
   const vfloat nf = __builtin_convertvector(n, vfloat);
   const vfloat p = exp_reduced((x - nf * 0.693359375f) + nf * 2.12194440e-4f);
+  const vint high = n > 0;  // -1 where n > 0
   vint bits;
   std::memcpy(&bits, &p, sizeof bits);
-  bits += (n << 23);
+  bits += (n + high) << 23;
   bits = underflow ? 0 : bits;
   vfloat out;
   std::memcpy(&out, &bits, sizeof out);
-  return out;
+  return high ? out * 2.f : out;
 }
 #endif
 
