@@ -21,18 +21,18 @@ from pathlib import Path
 import torch
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # not bench/: bench/kernels.py shadows kernels
-from kernels.activation import silu_and_mul_ref  # noqa: E402
-from kernels.cache_ops import reshape_and_cache_ref  # noqa: E402
-from kernels.cpu_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu  # noqa: E402
-from kernels.elementwise_cpu import (  # noqa: E402
+from streamer_kernels.activation import silu_and_mul_ref  # noqa: E402
+from streamer_kernels.cache_ops import reshape_and_cache_ref  # noqa: E402
+from streamer_kernels.cpu_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu  # noqa: E402
+from streamer_kernels.elementwise_cpu import (  # noqa: E402
     reshape_and_cache_cpu,
     rms_norm_cpu,
     rotary_embedding_cpu,
     silu_and_mul_cpu,
 )
-from kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref  # noqa: E402
-from kernels.rms_norm import rms_norm_ref  # noqa: E402
-from kernels.rotary import rotary_embedding_ref  # noqa: E402
+from streamer_kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref  # noqa: E402
+from streamer_kernels.rms_norm import rms_norm_ref  # noqa: E402
+from streamer_kernels.rotary import rotary_embedding_ref  # noqa: E402
 
 HEADS, KV_HEADS, HEAD, HIDDEN, MLP, BLOCK = 12, 4, 64, 768, 2048, 16
 

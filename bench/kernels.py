@@ -77,8 +77,8 @@ def attention_cases(torch, dev, dtype, smoke: bool) -> list[Case]:  # noqa: ANN0
 
 
 def _decode_case(a: _Attn, batch: int, ctx: int) -> Case:
-    from kernels.paged_attention import gather_kv, paged_decode_attention_ref
-    from kernels.paged_decode_triton import decode_num_splits, paged_decode_attention
+    from streamer_kernels.paged_attention import gather_kv, paged_decode_attention_ref
+    from streamer_kernels.paged_decode_triton import decode_num_splits, paged_decode_attention
 
     torch, dev, scale, f = a.torch, a.dev, a.scale, a.torch.nn.functional
     kc, vc, tables, lens = a.paged(batch, ctx)
@@ -103,8 +103,8 @@ def _decode_case(a: _Attn, batch: int, ctx: int) -> Case:
 
 
 def _prefill_case(a: _Attn, batch: int, q_len: int, ctx: int) -> Case:
-    from kernels.paged_attention import gather_kv, paged_prefill_attention_ref
-    from kernels.paged_prefill_triton import paged_prefill_attention
+    from streamer_kernels.paged_attention import gather_kv, paged_prefill_attention_ref
+    from streamer_kernels.paged_prefill_triton import paged_prefill_attention
 
     torch, dev, scale, f = a.torch, a.dev, a.scale, a.torch.nn.functional
     total = q_len + ctx
@@ -132,14 +132,14 @@ def _prefill_case(a: _Attn, batch: int, q_len: int, ctx: int) -> Case:
 
 
 def elementwise_cases(torch, dev, dtype, smoke: bool) -> list[Case]:  # noqa: ANN001
-    from kernels.activation import silu_and_mul_ref
-    from kernels.activation_triton import silu_and_mul
-    from kernels.cache_ops import copy_blocks_ref, reshape_and_cache_ref
-    from kernels.cache_ops_triton import copy_blocks, reshape_and_cache
-    from kernels.rms_norm import rms_norm_ref
-    from kernels.rms_norm_triton import rms_norm
-    from kernels.rotary import rotary_embedding_ref
-    from kernels.rotary_triton import rotary_embedding
+    from streamer_kernels.activation import silu_and_mul_ref
+    from streamer_kernels.activation_triton import silu_and_mul
+    from streamer_kernels.cache_ops import copy_blocks_ref, reshape_and_cache_ref
+    from streamer_kernels.cache_ops_triton import copy_blocks, reshape_and_cache
+    from streamer_kernels.rms_norm import rms_norm_ref
+    from streamer_kernels.rms_norm_triton import rms_norm
+    from streamer_kernels.rotary import rotary_embedding_ref
+    from streamer_kernels.rotary_triton import rotary_embedding
 
     tokens, hidden, inter = (16, 96, 160) if smoke else (4096, 4096, 14336)
     heads, kv_heads, head_size, block_size = (8, 2, 64, 16) if smoke else (32, 8, 128, 16)

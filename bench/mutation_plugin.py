@@ -14,7 +14,7 @@ def pytest_configure(config):
     # mutant killed at its timeout while holding it leaves the file behind, and every later load on
     # the machine, plain pytest runs included, then waits for it forever.
     try:
-        from kernels.cpu_attention import load
+        from streamer_kernels.cpu_attention import load
     except ImportError:
         return
     load()

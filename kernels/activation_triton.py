@@ -1,12 +1,11 @@
-"""Triton SiLU-and-multiply; defined by `kernels.activation.silu_and_mul_ref`."""
+"""Triton SiLU-and-multiply; defined by `streamer_kernels.activation.silu_and_mul_ref`."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-from kernels.triton_utils import cast_rtne, next_pow2
+from streamer_kernels.triton_utils import cast_rtne, next_pow2
 
 
 @triton.jit

@@ -1,12 +1,11 @@
-"""Triton KV-cache writes and block copies; defined by `kernels.cache_ops`."""
+"""Triton KV-cache writes and block copies; defined by `streamer_kernels.cache_ops`."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-from kernels.triton_utils import next_pow2
+from streamer_kernels.triton_utils import next_pow2
 
 
 @triton.jit

@@ -9,8 +9,7 @@ falls back to the references.
 from __future__ import annotations
 
 import torch
-
-from kernels.cpu_extension import load, module
+from streamer_kernels.cpu_extension import load, module
 
 __all__ = ["load", "paged_decode_attention_cpu", "paged_prefill_attention_cpu"]
 

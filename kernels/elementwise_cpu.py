@@ -7,8 +7,7 @@ as vLLM's does."""
 from __future__ import annotations
 
 import torch
-
-from kernels.cpu_extension import module
+from streamer_kernels.cpu_extension import module
 
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -1,4 +1,4 @@
-"""Triton paged decode attention; defined by `kernels.paged_attention.paged_decode_attention_ref`.
+"""Triton paged decode attention; defined by `streamer_kernels.paged_attention.paged_decode_attention_ref`.
 
 One program per (sequence, KV head[, split]): it loads each K/V row of its group once and
 serves all the query heads that share it (GQA), so the kernel moves the cache once. Long
@@ -14,8 +14,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-from kernels.triton_utils import (
+from streamer_kernels.triton_utils import (
     attention_num_warps,
     cast_rtne,
     check_attention_args,

@@ -1,5 +1,5 @@
 """Triton prefill/extend attention over the paged cache; defined by
-`kernels.paged_attention.paged_prefill_attention_ref`.
+`streamer_kernels.paged_attention.paged_prefill_attention_ref`.
 
 One program per (tile of new tokens, sequence, KV head). A tile's rows are (token, query head)
 pairs of one KV group, so every K/V row loaded serves all heads that share it (GQA). Each new
@@ -14,8 +14,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-from kernels.triton_utils import (
+from streamer_kernels.triton_utils import (
     attention_num_warps,
     cast_rtne,
     check_attention_args,

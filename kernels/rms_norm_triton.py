@@ -1,12 +1,11 @@
-"""Triton RMSNorm fused with the residual add; defined by `kernels.rms_norm.rms_norm_ref`."""
+"""Triton RMSNorm fused with the residual add; defined by `streamer_kernels.rms_norm.rms_norm_ref`."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-from kernels.triton_utils import cast_rtne, next_pow2
+from streamer_kernels.triton_utils import cast_rtne, next_pow2
 
 
 @triton.jit

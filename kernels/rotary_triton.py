@@ -1,12 +1,11 @@
-"""Triton rotary embedding, in place on q and k; defined by `kernels.rotary.rotary_embedding_ref`."""
+"""Triton rotary embedding, in place on q and k; defined by `streamer_kernels.rotary.rotary_embedding_ref`."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-from kernels.triton_utils import cast_rtne, next_pow2
+from streamer_kernels.triton_utils import cast_rtne, next_pow2
 
 
 @triton.jit

@@ -6,9 +6,9 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
+from streamer_kernels.cpu_extension import load as cpu_kernels
+from streamer_kernels.elementwise_cpu import argmax_cpu
 
-from kernels.cpu_extension import load as cpu_kernels
-from kernels.elementwise_cpu import argmax_cpu
 from streamer.grammar import apply_masks
 from streamer.request import Sequence
 

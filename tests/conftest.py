@@ -39,7 +39,7 @@ def cpu_kernels() -> None:
     """The compiled CPU kernels, built in the test process before a test starts a worker process:
     in a fresh clone the worker would spend minutes compiling them past the test's start-up wait,
     and a worker killed mid-build used to leave the build locked."""
-    from kernels.cpu_extension import load
+    from streamer_kernels.cpu_extension import load
 
     assert load() is not None
 

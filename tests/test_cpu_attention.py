@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from kernel_testing import make_paged_kv, query_start_loc, rel_err
+from streamer_kernels.cpu_attention import load, paged_decode_attention_cpu, paged_prefill_attention_cpu
+from streamer_kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref
 
-from kernels.cpu_attention import load, paged_decode_attention_cpu, paged_prefill_attention_cpu
-from kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref
 from streamer.attention.cpu_backend import CpuBackend
 
 # Relative error ||out - ref|| / ||ref||. float32: both accumulate in float32, in a different
@@ -224,10 +224,11 @@ def test_cpu_prefill_rejects_inconsistent_shapes():
 
 def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load(tmp_path):
     """torch's build lock is a plain file; a worker killed while compiling leaves it behind."""
-    from kernels.cpu_extension import build_directory
+    from streamer_kernels.cpu_extension import build_directory
 
     load()
     (build_directory() / "lock").touch()
-    out = subprocess.run([sys.executable, "-c", "from kernels.cpu_extension import load; print(load() is not None)"],
-                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    code = "from streamer_kernels.cpu_extension import load; print(load() is not None)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.strip() == "True", out.stderr[-2000:]

@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_testing import POISON, rel_err
-
-from kernels.cpu_attention import paged_decode_attention_cpu
-from kernels.cpu_extension import module
-from kernels.paged_attention import paged_decode_attention_ref
+from streamer_kernels.cpu_attention import paged_decode_attention_cpu
+from streamer_kernels.cpu_extension import module
+from streamer_kernels.paged_attention import paged_decode_attention_ref
 
 # float32: the same sums in another order (measured ~4e-7). bfloat16: against float32 attention
 # of the same rounded inputs; the shared part rounds its softmax weights to bfloat16 where the

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from streamer_kernels.activation import silu_and_mul_ref
+from streamer_kernels.cache_ops import reshape_and_cache_ref
+from streamer_kernels.cpu_extension import load
+from streamer_kernels.elementwise_cpu import reshape_and_cache_cpu, rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
+from streamer_kernels.rms_norm import rms_norm_ref
+from streamer_kernels.rotary import rotary_embedding_ref
 
-from kernels.activation import silu_and_mul_ref
-from kernels.cache_ops import reshape_and_cache_ref
-from kernels.cpu_extension import load
-from kernels.elementwise_cpu import reshape_and_cache_cpu, rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
-from kernels.rms_norm import rms_norm_ref
-from kernels.rotary import rotary_embedding_ref
 from streamer.attention.cpu_backend import CpuBackend
 
 TOL = 2e-6

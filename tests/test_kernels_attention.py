@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_testing import ATTN_TOL, DEVICES, DTYPES, make_paged_kv, query_start_loc, randn, rel_err
-
-from kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref
-from kernels.paged_decode_triton import MIN_SPLIT_SEQ_LEN, decode_num_splits, paged_decode_attention
-from kernels.paged_prefill_triton import paged_prefill_attention
+from streamer_kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref
+from streamer_kernels.paged_decode_triton import MIN_SPLIT_SEQ_LEN, decode_num_splits, paged_decode_attention
+from streamer_kernels.paged_prefill_triton import paged_prefill_attention
 
 # (query heads, kv heads, head size, block size, context lengths): GQA ratios 1, 4, 8 and 3,
 # head sizes 64/80/128, block sizes 8-64, lengths that are not multiples of the block size.

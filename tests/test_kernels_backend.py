@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 from kernel_testing import ATTN_TOL, DEVICES, DTYPES, ELEMENTWISE_TOL, query_start_loc, randn, rel_err
+from streamer_kernels.rotary import rotary_embedding_ref
 
-from kernels.rotary import rotary_embedding_ref
 from streamer.attention import get_backend
 from streamer.attention.backend import AttentionMetadata
 from streamer.errors import ConfigError

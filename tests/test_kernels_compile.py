@@ -62,13 +62,12 @@ def _launch_every_kernel() -> None:
     """Call each wrapper once per dtype and head-size class with CPU tensors (only their metadata
     matters: nothing runs)."""
     import torch
-
-    from kernels.activation_triton import silu_and_mul
-    from kernels.cache_ops_triton import copy_blocks, reshape_and_cache
-    from kernels.paged_decode_triton import paged_decode_attention
-    from kernels.paged_prefill_triton import paged_prefill_attention
-    from kernels.rms_norm_triton import rms_norm
-    from kernels.rotary_triton import rotary_embedding
+    from streamer_kernels.activation_triton import silu_and_mul
+    from streamer_kernels.cache_ops_triton import copy_blocks, reshape_and_cache
+    from streamer_kernels.paged_decode_triton import paged_decode_attention
+    from streamer_kernels.paged_prefill_triton import paged_prefill_attention
+    from streamer_kernels.rms_norm_triton import rms_norm
+    from streamer_kernels.rotary_triton import rotary_embedding
 
     heads, kv_heads, tokens = 32, 8, 6
     for dtype in (torch.float16, torch.bfloat16, torch.float32):

@@ -5,15 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_testing import DEVICES, DTYPES, ELEMENTWISE_TOL, POISON, randn, rel_err
-
-from kernels.activation import silu_and_mul_ref
-from kernels.activation_triton import silu_and_mul
-from kernels.cache_ops import copy_blocks_ref, reshape_and_cache_ref
-from kernels.cache_ops_triton import copy_blocks, reshape_and_cache
-from kernels.rms_norm import rms_norm_ref
-from kernels.rms_norm_triton import rms_norm
-from kernels.rotary import rotary_embedding_ref
-from kernels.rotary_triton import rotary_embedding
+from streamer_kernels.activation import silu_and_mul_ref
+from streamer_kernels.activation_triton import silu_and_mul
+from streamer_kernels.cache_ops import copy_blocks_ref, reshape_and_cache_ref
+from streamer_kernels.cache_ops_triton import copy_blocks, reshape_and_cache
+from streamer_kernels.rms_norm import rms_norm_ref
+from streamer_kernels.rms_norm_triton import rms_norm
+from streamer_kernels.rotary import rotary_embedding_ref
+from streamer_kernels.rotary_triton import rotary_embedding
 
 
 def _gen(seed: int) -> torch.Generator:

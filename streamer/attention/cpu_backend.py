@@ -8,9 +8,9 @@ where the references round)."""
 from __future__ import annotations
 
 import torch
+from streamer_kernels.cpu_attention import load, paged_decode_attention_cpu, paged_prefill_attention_cpu
+from streamer_kernels.elementwise_cpu import reshape_and_cache_cpu, rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
 
-from kernels.cpu_attention import load, paged_decode_attention_cpu, paged_prefill_attention_cpu
-from kernels.elementwise_cpu import reshape_and_cache_cpu, rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
 from streamer.attention.backend import AttentionMetadata
 from streamer.attention.torch_backend import TorchBackend
 

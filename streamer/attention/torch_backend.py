@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
+from streamer_kernels.activation import silu_and_mul_ref
+from streamer_kernels.cache_ops import copy_blocks_ref, reshape_and_cache_ref
+from streamer_kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref
+from streamer_kernels.rms_norm import rms_norm_ref
+from streamer_kernels.rotary import rotary_embedding_ref
 
-from kernels.activation import silu_and_mul_ref
-from kernels.cache_ops import copy_blocks_ref, reshape_and_cache_ref
-from kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref
-from kernels.rms_norm import rms_norm_ref
-from kernels.rotary import rotary_embedding_ref
 from streamer.attention.backend import AttentionBackend, AttentionMetadata
 
 

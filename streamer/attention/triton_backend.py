@@ -4,14 +4,14 @@ under the Triton interpreter (`TRITON_INTERPRET=1`), which the tests use to chec
 from __future__ import annotations
 
 import torch
+from streamer_kernels.activation_triton import silu_and_mul
+from streamer_kernels.cache_ops_triton import copy_blocks, reshape_and_cache
+from streamer_kernels.paged_decode_triton import paged_decode_attention
+from streamer_kernels.paged_prefill_triton import paged_prefill_attention
+from streamer_kernels.rms_norm_triton import rms_norm
+from streamer_kernels.rotary_triton import rotary_embedding
+from streamer_kernels.triton_utils import interpreting
 
-from kernels.activation_triton import silu_and_mul
-from kernels.cache_ops_triton import copy_blocks, reshape_and_cache
-from kernels.paged_decode_triton import paged_decode_attention
-from kernels.paged_prefill_triton import paged_prefill_attention
-from kernels.rms_norm_triton import rms_norm
-from kernels.rotary_triton import rotary_embedding
-from kernels.triton_utils import interpreting
 from streamer.attention.backend import AttentionBackend, AttentionMetadata
 from streamer.errors import ConfigError
 
