@@ -25,6 +25,7 @@ from streamer.beams import Beams
 from streamer.block_manager import BlockManager
 from streamer.errors import QueueFullError
 from streamer.outputs import PromptProgress
+from streamer.preemption import priority_victims
 from streamer.request import Request, SeqStatus, Sequence
 from streamer.scheduler_output import EngineCoreOutputs, ScheduledSeq, SchedulerOutput, SeqUpdate
 from streamer.scheduler_stats import SchedulerStats
@@ -185,54 +186,16 @@ class Scheduler:
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """The waiting head is more urgent than some running sequences and finds no seat or no
-        blocks: preempt the fewest of the least urgent (the latest admitted first among equals)
-        that make room for it, before the running ones take this step's blocks. None at all when
-        even every candidate would not make room: they would be recomputed for nothing."""
+        blocks: preempt what preemption.py picks, before the running ones take this step's blocks."""
         if not len(self.waiting):
             return
-        head = self.waiting.peek()
-        candidates = self._priority_candidates(head.priority)
-        if not candidates:  # the common case (one priority): no need to weigh room
-            return
-        victims: list[Sequence] = []
-        while not self._room_for(head, victims):
-            if len(victims) == len(candidates):
-                return
-            victims.append(candidates[len(victims)])
-        for victim in victims:
+        c = self.config
+        for victim in priority_victims(self.waiting.peek(), self.running, self.block_manager, c.max_num_seqs,
+                                       c.max_num_batched_tokens):
             self.running.remove(victim)
             self._preempt(victim)
             out.preempted.append(victim)
             self.counters.num_priority_preemptions += 1
-
-    def _priority_candidates(self, priority: int) -> list[Sequence]:
-        """Running sequences strictly less urgent than `priority`, in the order to preempt them.
-        Beams are left alone: a beam step needs every beam of its request, and parking one for
-        a stranger would stall its siblings."""
-        ranked = [(s.priority, i, s) for i, s in enumerate(self.running)
-                  if s.priority > priority and not s.params.use_beam_search]
-        return [s for _, _, s in sorted(ranked, key=lambda r: (r[0], r[1]), reverse=True)]
-
-    def _room_for(self, head: Sequence, victims: list[Sequence]) -> bool:
-        """Whether, without `victims`, seats and blocks (not the token budget, which frees itself
-        as prompts finish) let `head` be admitted this step after the running sequences' share.
-        Blocks shared with others count as staying: an estimate that errs towards fewer victims."""
-        c, bm = self.config, self.block_manager
-        if len(self.running) - len(victims) >= c.max_num_seqs:
-            return False
-        gone = {v.seq_id for v in victims}
-        budget, needed = c.max_num_batched_tokens, 0
-        for seq in self.running:  # as _schedule_running will hand out tokens
-            if seq.seq_id not in gone and budget > 0:
-                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                needed += bm.blocks_needed(seq, num_new) if num_new else 0
-                budget -= num_new
-        hit = bm.find_cached_prefix(head)
-        if budget <= 0 or hit.pending:  # it waits for the budget or for a prefix, not for room
-            return True
-        needed += bm.blocks_needed(head, min(head.num_tokens - hit.num_tokens, budget), hit)
-        freed = sum(1 for v in victims for b in bm.block_table(v) if bm.blocks[b].ref_count == 1)
-        return needed <= bm.num_free_blocks + freed
 
     def _park_idle(self, out: SchedulerOutput, budget: int) -> None:
         """Nothing could run: every running sequence is a beam that already has its next-token

@@ -171,7 +171,7 @@ async def test_a_wedged_pubsub_connection_is_replaced_not_every_request_failed(r
     would make every request wait and fail: the gateway replaces it and the request goes on live."""
     r = aioredis.Redis.from_url(redis_url)
     async with running_gateway(config(redis_url, idle_poll_s=60.0)) as gw, connect(gw.ws_url) as ws:
-        wedged = gw.hub.pubsub
+        wedged = gw.hub.relay.pubsub
 
         async def silent(*channels: Any) -> None:  # the command never reaches Redis: no confirmation
             return None
@@ -179,7 +179,7 @@ async def test_a_wedged_pubsub_connection_is_replaced_not_every_request_failed(r
         wedged.subscribe = silent
         await send(ws, {"type": "generate", "id": "w1", "prompt": "x"})
         assert without_workers(await recv(ws, timeout=15)) == {"type": "accepted", "id": "w1"}
-        assert gw.hub.pubsub is not wedged
+        assert gw.hub.relay.pubsub is not wedged
         await emit(r, "w1", tokens("w1", range(0, 2)) + [done("w1", 2)])  # live, by pub/sub only
         events = (await collect(ws, {"w1"}, timeout=10))["w1"]
         assert_contiguous(events)

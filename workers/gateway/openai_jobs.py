@@ -60,10 +60,10 @@ class JobStream:
                     self.finished.add(rid)
                 self.queue.put_nowait((job, event))
 
-            self.watches[rid] = await self.gw.hub.watch(rid, next_seq, on_event)
+            self.watches[rid] = await self.gw.hub.relay.watch(rid, next_seq, on_event)
             self.gw.http_streams[rid] = self.gw.http_streams.get(rid, 0) + 1
             if catch_up:
-                await self.gw.hub.fill(self.watches[rid])
+                await self.gw.hub.relay.fill(self.watches[rid])
 
     async def events(self) -> AsyncIterator[tuple[int, dict[str, Any]]]:
         remaining = len(self.meta.jobs)
@@ -91,7 +91,7 @@ class JobStream:
     def close(self, *, cancel: bool) -> None:
         """Stop relaying; a job left unfinished is cancelled after the grace period unless resumed."""
         for rid, w in self.watches.items():
-            self.gw.hub.unwatch(w)
+            self.gw.hub.relay.unwatch(w)
             count = self.gw.http_streams.get(rid, 1) - 1
             if count > 0:
                 self.gw.http_streams[rid] = count

@@ -76,7 +76,7 @@ class Gateway:
         self.metrics.track("requests_inflight", lambda: sum(len(s.requests) for s in self.sessions))
         self.metrics.open_connections("ws").set_function(lambda: len(self.sessions))
         self._pending_cancels: dict[str, asyncio.TimerHandle] = {}
-        self.hub.on_resumed = self.keep  # a resume through any gateway stops our grace-period cancel
+        self.hub.relay.on_resumed = self.keep  # a resume through any gateway stops our grace-period cancel
         # Requests streaming to HTTP clients now (request id -> count), for the grace cancel's check.
         self.http_streams: dict[str, int] = {}
         self.draining = asyncio.Event()  # whole (non-streamed) HTTP answers end with 503 when set

@@ -128,7 +128,7 @@ class Session:
             await asyncio.gather(*tasks, return_exceptions=True)
             unfinished, self.requests = self.requests, {}
             for rid, w in unfinished.items():
-                self.hub.unwatch(w)
+                self.hub.relay.unwatch(w)
                 self.grace.cancel_later(rid, w.started_ms)
 
     # --- sending -----------------------------------------------------------------------------------
@@ -328,13 +328,13 @@ class Session:
                 self.requests.pop(rid, None)
                 self._pushed_at.pop(rid, None)
 
-        w = await self.hub.watch(rid, next_seq, on_event)
+        w = await self.hub.relay.watch(rid, next_seq, on_event)
         if w.finished:
             return
         self.requests[rid] = w
         if catch_up:
             try:
-                await self.hub.fill(w)
+                await self.hub.relay.fill(w)
             except BaseException:
                 self._forget(rid)
                 raise
@@ -365,4 +365,4 @@ class Session:
         self._pushed_at.pop(rid, None)
         w = self.requests.pop(rid, None)
         if w is not None:
-            self.hub.unwatch(w)
+            self.hub.relay.unwatch(w)

@@ -1,7 +1,7 @@
 """One reader of one request's events (`Watch`): each `seq` delivered once, in order, gaps filled.
 
-The hub (hub.py) offers a watch every event it hears on pub/sub or reads from the events stream; the
-watch holds events that arrive early and asks its relay (the hub) to read the stream for a gap.
+The relay (relay.py) offers a watch every event it hears on pub/sub or reads from the events stream;
+the watch holds events that arrive early and asks its relay to read the stream for a gap.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ _MAX_OUT_OF_ORDER = 1024  # events held while a gap is filled; past this the str
 
 
 class Relay(Protocol):
-    """What a watch asks of the hub that feeds it."""
+    """What a watch asks of the relay that feeds it (relay.EventRelay)."""
 
     def fill_soon(self, w: Watch) -> None:
         """Read the request's events stream from `w.next_seq` on, in the background."""
