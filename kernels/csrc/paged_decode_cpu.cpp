@@ -8,11 +8,13 @@
 // computed online, block by block (flash-decoding style), so K and V are each read exactly once.
 //
 // Two implementations of that: the vector path below (float32 and bfloat16, head sizes a multiple
-// of the vector width: every model streamer runs) and the generic one first (float16, other head
-// sizes). At batch 64 x 400 positions the vector path measured 1.6x faster in float32
-// (2.5-2.8 vs 4.0-4.8 ms a layer on 2 cores) and 1.2x in bfloat16 (bench/README.md).
+// of the vector width: every model streamer runs) and the generic one (float16, other head sizes;
+// paged_decode_generic_cpu.h). At batch 64 x 400 positions the vector path measured 1.6x faster
+// in float32 (2.5-2.8 vs 4.0-4.8 ms a layer on 2 cores) and 1.2x in bfloat16 (bench/README.md).
 #include "cpu_ops.h"
 #include "decode_shared_prefix_cpu.h"
+#include "decode_state_cpu.h"
+#include "paged_decode_generic_cpu.h"
 #include "vec_cpu.h"
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -29,168 +31,8 @@
 
 namespace {
 
-// A row of one position (all KV heads) as floats: float32 caches are used in place; bfloat16 is
-// the top half of a float32, so widening is a shift the compiler vectorizes (the generic
-// conversion does not).
-template <typename scalar_t>
-inline const float* as_float(const scalar_t* src, float* buf, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    return src;
-  } else if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-    const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
-    uint32_t* out = reinterpret_cast<uint32_t*>(buf);
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(raw[i]) << 16;
-    return buf;
-  } else {
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
-    return buf;
-  }
-}
-
-inline void prefetch_block(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
-}
-
-// One sequence's running state, per query head: the scaled query, the online softmax's max and
-// sum, and the weighted sum of values so far.
-struct SequenceState {
-  std::vector<float> qf, acc, m, l;
-  int64_t heads, D;
-  SequenceState(int64_t num_heads, int64_t head_size)
-      : qf(num_heads * head_size), acc(num_heads * head_size), m(num_heads), l(num_heads), heads(num_heads),
-        D(head_size) {}
-
-  template <typename scalar_t>
-  void start(const scalar_t* q, float scale) {
-    for (int64_t i = 0; i < heads * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
-    std::fill(acc.begin(), acc.end(), 0.f);
-    // Finite "minus infinity": the kernel is built with -ffast-math, which assumes no infinities.
-    std::fill(m.begin(), m.end(), -1e30f);
-    std::fill(l.begin(), l.end(), 0.f);
-  }
-
-  // Carries on from the state over sequence b's shared prefix.
-  void resume(const PrefixStates& prefix, int64_t b) {
-    std::copy_n(prefix.m.data() + b * heads, heads, m.data());
-    std::copy_n(prefix.l.data() + b * heads, heads, l.data());
-    std::copy_n(prefix.acc.data() + b * heads * D, heads * D, acc.data());
-  }
-
-  template <typename scalar_t>
-  void finish(scalar_t* out) const {
-    for (int64_t h = 0; h < heads; ++h) {
-      const float inv = 1.f / l[h];
-      for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<scalar_t>(acc[h * D + d] * inv);
-    }
-  }
-};
-
-template <typename scalar_t>
-void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* block_tables,
-            const int32_t* seq_lens, scalar_t* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-            int64_t head_size, int64_t block_size, int64_t max_blocks, float scale) {
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t D = head_size;
-  const int64_t row_size = num_kv_heads * D;  // one position, all KV heads: contiguous
-  const int64_t block_elems = block_size * row_size;
-  // Dynamic scheduling: sequences differ in length, so equal halves would leave a core idle.
-#pragma omp parallel num_threads(at::get_num_threads())
-  {
-    SequenceState st(num_heads, D);
-    std::vector<float> row(row_size), s(num_heads * block_size);
-    auto &qf = st.qf, &acc = st.acc, &m = st.m, &l = st.l;  // the generic body's names
-    // Offset of each query head's KV head within a row, computed once: an integer division per
-    // head and position would cost more than the dot product itself.
-    std::vector<int64_t> kv_offset(num_heads);
-    for (int64_t h = 0; h < num_heads; ++h) kv_offset[h] = (h / group) * D;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t b = 0; b < num_seqs; ++b) {
-      const int64_t len = seq_lens[b];
-      const int32_t* table = block_tables + b * max_blocks;
-      st.start(q + b * num_heads * D, scale);
-      const int64_t num_blocks = (len + block_size - 1) / block_size;
-      // Block by block with an online softmax: each block's K then V (contiguous, L2-resident)
-      // are read once, in order, while the next block is prefetched.
-      for (int64_t blk = 0; blk < num_blocks; ++blk) {
-        const int64_t n = std::min(block_size, len - blk * block_size);
-        const scalar_t* kb = k_cache + static_cast<int64_t>(table[blk]) * block_elems;
-        const scalar_t* vb = v_cache + static_cast<int64_t>(table[blk]) * block_elems;
-        if (blk + 1 < num_blocks) {
-          const int64_t next = static_cast<int64_t>(table[blk + 1]) * block_elems;
-          prefetch_block(k_cache + next, block_elems * sizeof(scalar_t));
-          prefetch_block(v_cache + next, block_elems * sizeof(scalar_t));
-        }
-        for (int64_t j = 0; j < n; ++j) {
-          const float* k = as_float(kb + j * row_size, row.data(), row_size);
-          int64_t h = 0;
-          // Four heads at a time: four independent accumulator chains keep the FMA units busy,
-          // where one dot product at a time waits on each add's latency (2x on this loop).
-          for (; h + 4 <= num_heads; h += 4) {
-            const float *q0 = qf.data() + h * D, *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
-            const float *k0 = k + kv_offset[h], *k1 = k + kv_offset[h + 1], *k2 = k + kv_offset[h + 2],
-                        *k3 = k + kv_offset[h + 3];
-            float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
-#pragma omp simd reduction(+ : d0, d1, d2, d3)
-            for (int64_t d = 0; d < D; ++d) {
-              d0 += q0[d] * k0[d];
-              d1 += q1[d] * k1[d];
-              d2 += q2[d] * k2[d];
-              d3 += q3[d] * k3[d];
-            }
-            s[h * block_size + j] = d0;
-            s[(h + 1) * block_size + j] = d1;
-            s[(h + 2) * block_size + j] = d2;
-            s[(h + 3) * block_size + j] = d3;
-          }
-          for (; h < num_heads; ++h) {
-            const float* kh = k + kv_offset[h];
-            const float* qh = qf.data() + h * D;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += qh[d] * kh[d];
-            s[h * block_size + j] = dot;
-          }
-        }
-        for (int64_t h = 0; h < num_heads; ++h) {
-          float* sh = s.data() + h * block_size;
-          float block_max = sh[0];
-#pragma omp simd reduction(max : block_max)
-          for (int64_t j = 1; j < n; ++j) block_max = std::max(block_max, sh[j]);
-          const float new_max = std::max(m[h], block_max);
-          const float rescale = std::exp(m[h] - new_max);  // underflows to 0 on the first block
-          if (rescale != 1.f) {
-            float* a = acc.data() + h * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] *= rescale;
-          }
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)  // vectorized expf (libmvec) under -ffast-math
-          for (int64_t j = 0; j < n; ++j) {
-            sh[j] = std::exp(sh[j] - new_max);
-            sum += sh[j];
-          }
-          l[h] = l[h] * rescale + sum;
-          m[h] = new_max;
-        }
-        for (int64_t j = 0; j < n; ++j) {
-          const float* v = as_float(vb + j * row_size, row.data(), row_size);
-          for (int64_t h = 0; h < num_heads; ++h) {
-            const float w = s[h * block_size + j];
-            const float* vh = v + kv_offset[h];
-            float* a = acc.data() + h * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] += w * vh[d];
-          }
-        }
-      }
-      st.finish(out + b * num_heads * D);
-    }
-  }
-}
-
+using paged_decode::prefetch_block;
+using paged_decode::SequenceState;
 
 // ---- the vector path: float32 and bfloat16, head sizes a multiple of the vector width ----------
 // Per sequence, positions are taken kW at a time (kW = the vector width: 16 floats with AVX-512,
@@ -372,7 +214,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   const bool vector_path = D % kW == 0 && D / kW <= kMaxChunks &&
                            (query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_cpu", [&] {
-    auto* kernel = &decode<scalar_t>;
+    auto* kernel = &paged_decode::decode<scalar_t>;
     if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, at::BFloat16>)
       if (vector_path) kernel = &decode_vec<scalar_t>;
     kernel(query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
