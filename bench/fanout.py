@@ -37,7 +37,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # bench/kernels.py must not shadow the `kernels` package
 
-from clients.protocol import Names, done_event, token_event  # noqa: E402
+from clients.events import done_event, token_event  # noqa: E402
+from clients.protocol import Names  # noqa: E402
 from workers.progress_display import task  # noqa: E402
 from workers.redis_server import RedisServer, free_port  # noqa: E402
 from workers.worker.event_writer import EventWriter, Write  # noqa: E402

@@ -1,6 +1,7 @@
 """Clients for streamer, and the home of the wire contract they share with the server side.
 
 - protocol.py: the Redis wire contract (docs/protocol.md): names, job decoding, event encoding.
+- events.py: the events a worker writes (token, done, error).
 - errors.py: the contract's errors (ProtocolError, RequestFailed, UnknownRequest, NoWorker).
 - heartbeats.py: which workers are alive (the heartbeat set).
 - backoff.py: how every Redis loop retries a dropped connection.

@@ -25,7 +25,8 @@ from websockets.frames import Close
 from websockets.protocol import State
 from websockets.uri import parse_uri
 
-from clients.protocol import Names, decode_job, done_event, encode, event_stream_id, token_event
+from clients.events import done_event, token_event
+from clients.protocol import Names, decode_job, encode, event_stream_id
 from workers.gateway.config import GatewayConfig
 from workers.gateway.server import running_gateway
 from workers.gateway.session import CLOSE_SLOW_CONSUMER

@@ -26,7 +26,7 @@ from test_gateway import (
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from clients.protocol import token_event
+from clients.events import token_event
 from streamer import SamplingParams
 from workers.gateway.server import running_gateway
 from workers.gateway.session import CLOSE_SLOW_CONSUMER

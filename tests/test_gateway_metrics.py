@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_gateway import collect, config, done, emit, http_get, recv, send, tokens, wait_jobs
 from websockets.asyncio.client import connect
 
-from clients.protocol import error_event
+from clients.events import error_event
 from workers.gateway.metrics import PREFIX, TTFT_BUCKETS
 from workers.gateway.server import running_gateway
 

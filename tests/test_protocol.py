@@ -8,21 +8,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from clients.errors import ProtocolError
+from clients.events import done_event, error_event, token_event
 from clients.protocol import (
     Limits,
     Names,
     decode_event,
     decode_job,
     decode_message,
-    done_event,
     encode,
     encode_job,
-    error_event,
     event_stream_id,
     parse_job,
     readable_id,
     seq_of_stream_id,
-    token_event,
 )
 from clients.resume import resume_state
 

@@ -24,7 +24,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
 from redis_worker_helpers import NAMES, check_complete, dead_letters, read_events, running_worker
 
-from clients.protocol import decode_message, done_event, encode, token_event
+from clients.events import done_event, token_event
+from clients.protocol import decode_message, encode
 from clients.redis_client import AsyncClient
 from workers.worker.event_writer import EventWriter, Write
 

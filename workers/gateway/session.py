@@ -25,7 +25,8 @@ from typing import Any, Protocol
 from clients.backoff import TRANSIENT
 from clients.errors import ProtocolError
 from clients.progress import JobStatus, Placement
-from clients.protocol import ID_RE, VERSION, Limits, readable_id
+from clients.protocol import VERSION, Limits, readable_id
+from workers.gateway import frames
 from workers.gateway.admission import check_job
 from workers.gateway.config import GatewayConfig
 from workers.gateway.hub import Hub
@@ -40,43 +41,6 @@ log = logging.getLogger("streamer.gateway")
 # Its requests keep running for the grace period; reconnect and `resume` them.
 CLOSE_SLOW_CONSUMER = 4008
 SLOW_CONSUMER_REASON = "send queue overflow: reading too slowly; reconnect and resume"
-
-
-def _size(text: str) -> int:
-    return len(text) if text.isascii() else len(text.encode())
-
-
-# `after_seq` beyond this cannot be a seq (Redis stream ids are 64-bit; seq n is stored as 0-(n+1)).
-_MAX_SEQ = 2**63 - 2
-
-
-def _error_frame(request_id: str | None, code: str, message: str, extra: dict[str, Any] | None = None) -> str:
-    # ASCII only: a message that quotes a client's bad text (a lone surrogate) must still be sendable.
-    return json.dumps({"type": "error", "id": request_id, "code": code, "message": message,
-                       "source": "gateway", **(extra or {})})
-
-
-def _frame_id(obj: dict[str, Any]) -> str | None:
-    """The frame's request id when it is a valid one (only such ids are echoed back in errors)."""
-    rid = obj.get("id")
-    return rid if isinstance(rid, str) and ID_RE.match(rid) else None
-
-
-def _wants_progress(obj: dict[str, Any]) -> bool:
-    """`"progress": true` in a generate or resume frame asks for `status` and `resumed` frames."""
-    return obj.get("progress") is True
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _request_id(obj: dict[str, Any]) -> str:
-    rid = obj.get("id")
-    if not isinstance(rid, str) or not ID_RE.match(rid):
-        raise ProtocolError("invalid_request", "`id` must be a string of 1-128 characters from "
-                            "A-Z a-z 0-9 . _ : @ / + = -")
-    return rid
 
 
 class GraceCancels(Protocol):
@@ -138,7 +102,7 @@ class Session:
         Redis relay that feeds every other connection."""
         if self.closing:
             return
-        n = _size(text)
+        n = frames.size(text)
         if self._queue and self._queued_bytes + n > self.cfg.send_queue_bytes:
             self.closing = True
             self._queue.clear()
@@ -176,25 +140,25 @@ class Session:
 
     def error(self, request_id: str | None, code: str, message: str, extra: dict[str, Any] | None = None) -> None:
         self.metrics.error(code)
-        self.send(_error_frame(request_id, code, message, extra))
+        self.send(frames.error_frame(request_id, code, message, extra))
 
     # --- frames ------------------------------------------------------------------------------------
 
     async def _handle(self, frame: str | bytes) -> None:
         if isinstance(frame, bytes):
             return self.error(None, "bad_frame", "frames must be JSON text, not binary")
-        if len(frame) > self.cfg.max_frame_bytes or _size(frame) > self.cfg.max_frame_bytes:
+        if len(frame) > self.cfg.max_frame_bytes or frames.size(frame) > self.cfg.max_frame_bytes:
             return self.error(readable_id(frame), "too_large", f"frame is over {self.cfg.max_frame_bytes} bytes")
         try:
             # NaN and Infinity are Python's extension, not JSON: nobody else could read such a job.
-            obj = json.loads(frame, parse_constant=_reject_constant)
+            obj = json.loads(frame, parse_constant=frames.reject_constant)
         except RecursionError:
             return self.error(readable_id(frame), "bad_json", "frame is nested too deeply to decode")
         except ValueError as e:
             return self.error(readable_id(frame), "bad_json", f"frame is not JSON: {e}"[:200])
         if not isinstance(obj, dict):
             return self.error(None, "bad_frame", "a frame must be a JSON object with a `type`")
-        rid = _frame_id(obj)
+        rid = frames.frame_id(obj)
         handler = {"generate": self._generate, "cancel": self._cancel, "resume": self._resume}.get(
             obj.get("type"))  # type: ignore[arg-type]
         if handler is None:
@@ -257,7 +221,7 @@ class Session:
             self.send(json.dumps(self._accepted(rid)))
             self._pushed_at[rid] = time.monotonic()  # before the push: a token can arrive before it returns
             placement = await self.hub.push(job)
-            if _wants_progress(obj):
+            if frames.wants_progress(obj):
                 self.progress[rid] = placement
         except BaseException:
             self._forget(rid)
@@ -280,9 +244,9 @@ class Session:
             raise
 
     async def _resume(self, obj: dict[str, Any]) -> None:
-        rid = _request_id(obj)
+        rid = frames.request_id(obj)
         after = obj.get("after_seq", -1)
-        if not isinstance(after, int) or isinstance(after, bool) or not -1 <= after <= _MAX_SEQ:
+        if not isinstance(after, int) or isinstance(after, bool) or not -1 <= after <= frames.MAX_SEQ:
             raise ProtocolError("invalid_request", "`after_seq` must be an integer >= -1 (the last seq "
                                 "received; -1 replays from the start)", rid)
         self._check_room(rid)
@@ -302,7 +266,7 @@ class Session:
             raise ProtocolError("invalid_request", f"`after_seq` {after} is beyond request {rid!r}'s last "
                                 f"event (seq {last_seq}); resume after a seq you received, or -1", rid)
         self.metrics.inc("resumes_total")
-        if _wants_progress(obj):
+        if frames.wants_progress(obj):
             # What follows up to `last_seq` is replayed from Redis, not generated now: a client's
             # time to first token and tokens/s leave it out.
             self.send(json.dumps({"type": "resumed", "id": rid, "last_seq": last_seq}))
@@ -311,7 +275,7 @@ class Session:
         await self._watch(rid, after + 1, catch_up=True)
 
     async def _cancel(self, obj: dict[str, Any]) -> None:
-        rid = _request_id(obj)
+        rid = frames.request_id(obj)
         self.grace.keep(rid)
         await self.hub.cancel(rid)
 

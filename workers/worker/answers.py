@@ -15,7 +15,8 @@ from redis.asyncio import Redis
 
 from clients.backoff import TRANSIENT, retry
 from clients.errors import ProtocolError
-from clients.protocol import Job, error_event
+from clients.events import error_event
+from clients.protocol import Job
 from workers.worker.config import WorkerConfig
 from workers.worker.event_writer import EventWriter, Write
 from workers.worker.state import Delivery, RunningJob, WorkerState, as_str

@@ -15,7 +15,8 @@ from typing import Any
 import anyio
 
 from clients.errors import ProtocolError
-from clients.protocol import Job, done_event, token_event
+from clients.events import done_event, token_event
+from clients.protocol import Job
 from clients.resume import ResumeState
 from streamer import RequestOutput, SamplingParams
 from streamer.errors import EngineDeadError, GrammarError, QueueFullError
