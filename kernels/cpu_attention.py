@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from streamer_kernels.cpu_extension import load, module
 
-__all__ = ["load", "paged_decode_attention_cpu", "paged_prefill_attention_cpu"]
+__all__ = ["load", "paged_decode_attention_cpu", "paged_prefill_attention_cpu", "prefill_products"]
 
 
 def paged_decode_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -21,10 +21,17 @@ def paged_decode_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, val
 
 def paged_prefill_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                 block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                                seq_lens: torch.Tensor, scale: float, bf16_dot: bool = True) -> torch.Tensor:
+                                seq_lens: torch.Tensor, scale: float, products: str = "auto") -> torch.Tensor:
     """float32 and bfloat16. `query_start_loc` may be offset (the backend passes the rows after
-    the step's decodes): only differences between its entries count. `bf16_dot=False` keeps
-    bfloat16 on float32 products even where the CPU has AVX-512 BF16 (what other CPUs run)."""
+    the step's decodes): only differences between its entries count. `products`: what the
+    kernel's tiles multiply on, "auto" (the fastest this CPU has) or one of
+    `prefill_products(dtype)`: "float32" (register tiles, any CPU: bfloat16 widened), "bf16_dot"
+    (vdpbf16ps, AVX-512 BF16), "amx" (bfloat16 on the tile matrix unit of CPUs with AMX)."""
     return module().paged_prefill_attention(query, key_cache, value_cache, block_tables,
                                             query_start_loc.to(torch.int32), seq_lens.to(torch.int32), scale,
-                                            bf16_dot)
+                                            products)
+
+
+def prefill_products(dtype: torch.dtype) -> list[str]:
+    """The `products` of `paged_prefill_attention_cpu` this CPU runs for `dtype`."""
+    return module().prefill_products(dtype)

@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 from kernel_testing import make_paged_kv, query_start_loc, rel_err
-from streamer_kernels.cpu_attention import load, paged_decode_attention_cpu, paged_prefill_attention_cpu
+from streamer_kernels.cpu_attention import (
+    load,
+    paged_decode_attention_cpu,
+    paged_prefill_attention_cpu,
+    prefill_products,
+)
 from streamer_kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref
 
 from streamer.attention.cpu_backend import CpuBackend
@@ -161,39 +166,65 @@ def test_cpu_prefill_works_on_a_slice_of_the_batch():
     assert rel_err(out, ref) < TOLERANCE_PREFILL
 
 
-@pytest.mark.parametrize("bf16_dot", [True, False], ids=["bf16-products", "f32-products"])
+BF16_PRODUCTS = ["float32", "bf16_dot", "amx"]
+
+
+@pytest.mark.parametrize("products", BF16_PRODUCTS)
 @pytest.mark.parametrize("case", PREFILL_CASES)
-def test_cpu_prefill_in_bfloat16_is_as_close_to_float32_as_the_reference(case, bf16_dot):
+def test_cpu_prefill_in_bfloat16_is_as_close_to_float32_as_the_reference(case, products):
     """bfloat16: both sides read the same rounded inputs. Measured against float32 attention of
     the same inputs, the kernel's error must stay within the reference's (SDPA in bfloat16:
-    1.8-2.3e-3 here, about one bfloat16 rounding of the output) plus 1e-3. Both of the kernel's
-    paths: float32 products (any CPU; rounds once, ~1.6e-3) and, where the CPU has AVX-512 BF16,
-    bfloat16 products that round the softmax weights to bfloat16 as the reference does (the
-    same error as the reference, measured 1.85-2.2e-3)."""
+    1.8-2.3e-3 here, about one bfloat16 rounding of the output) plus 1e-3. Every product path:
+    float32 (any CPU; rounds once, ~1.6e-3), and the two that round the softmax weights to
+    bfloat16 as the reference does (the same error as the reference, measured 1.85-2.2e-3):
+    vdpbf16ps on CPUs with AVX-512 BF16, the AMX tiles on CPUs with AMX. On a CPU without
+    one, asking for it must fail clearly instead of computing something else."""
     kv, (key_cache, value_cache), tables, starts, seq_lens, query = _prefill_case(
         case, seed=sum(case[4]) + 1, dtype=torch.bfloat16)
     scale = case[2] ** -0.5
+    def run() -> torch.Tensor:
+        return paged_prefill_attention_cpu(query, kv.key_cache, kv.value_cache, tables, starts, seq_lens, scale,
+                                           products=products)
+
+    if products not in prefill_products(torch.bfloat16):
+        with pytest.raises(RuntimeError, match="do not run on this CPU"):
+            run()
+        return
     truth = paged_prefill_attention_ref(query.float(), key_cache.float(), value_cache.float(), tables, starts,
                                         seq_lens, scale)
     ref = paged_prefill_attention_ref(query, key_cache, value_cache, tables, starts, seq_lens, scale)
-    out = paged_prefill_attention_cpu(query, kv.key_cache, kv.value_cache, tables, starts, seq_lens, scale,
-                                      bf16_dot=bf16_dot)
+    out = run()
     assert out.dtype == torch.bfloat16
     assert rel_err(out, truth) < 1.0 * rel_err(ref, truth) + 1e-3, (rel_err(out, truth), rel_err(ref, truth))
 
 
-def test_cpu_prefill_takes_bfloat16_products_where_the_cpu_has_them():
-    """The backend's bfloat16 prefill is the vdpbf16ps path on CPUs with AVX-512 BF16 (1.5x the
-    float32 products there) and the float32 path elsewhere: the two round differently, so their
-    outputs differ exactly where the CPU has the instructions."""
+def test_cpu_prefill_products_follow_the_cpu():
+    """What runs where: float32 products everywhere, vdpbf16ps exactly where /proc/cpuinfo shows
+    AVX-512 BF16, the AMX tiles where it shows AMX-BF16; float32 inputs only on float32."""
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    assert prefill_products(torch.float32) == ["float32"]
+    expected = ["float32"] + ["bf16_dot"] * ("avx512_bf16" in flags) + ["amx"] * ("amx_bf16" in flags)
+    assert prefill_products(torch.bfloat16) == expected
+    kv, _, tables, starts, seq_lens, query = _prefill_case(PREFILL_CASES[0], seed=1)
+    with pytest.raises(RuntimeError, match="products: auto, float32, bf16_dot or amx, not fast"):
+        paged_prefill_attention_cpu(query, kv.key_cache, kv.value_cache, tables, starts, seq_lens, 0.125,
+                                    products="fast")
+
+
+def test_cpu_prefill_takes_the_fastest_bfloat16_products_of_the_cpu():
+    """The backend's bfloat16 prefill runs the AMX tiles where the CPU has them (1.9x the float32
+    products there, 2.9x vdpbf16ps), else vdpbf16ps (1.5x the float32 products on Zen 4), else
+    float32 products: the paths round differently, so the backend's output is bit-equal to the
+    chosen one's and differs from the float32 path's exactly where a faster one exists."""
     case = PREFILL_CASES[0]
     kv, _, tables, starts, seq_lens, query = _prefill_case(case, seed=11, dtype=torch.bfloat16)
     backend = torch.empty_like(query)
     CpuBackend().prefill(query, kv.key_cache, kv.value_cache, tables, starts, seq_lens, 0.125, 300, backend)
-    f32 = paged_prefill_attention_cpu(query, kv.key_cache, kv.value_cache, tables, starts, seq_lens, 0.125,
-                                      bf16_dot=False)
-    has_bf16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text()
-    assert torch.equal(backend, f32) != has_bf16
+    fastest = prefill_products(torch.bfloat16)[-1]
+    chosen, f32 = (paged_prefill_attention_cpu(query, kv.key_cache, kv.value_cache, tables, starts, seq_lens, 0.125,
+                                               products=p) for p in (fastest, "float32"))
+    assert torch.equal(backend, chosen)
+    assert torch.equal(backend, f32) == (fastest == "float32")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

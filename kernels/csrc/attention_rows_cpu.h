@@ -1,6 +1,6 @@
 // The core of the CPU attention kernels over tiles of query rows: any set of query rows that
 // read the same keys (a prefill task's positions x grouped heads, or the decodes of sequences
-// sharing a cached prefix) attends to keys read through a block table, kKeyTile at a time, with
+// sharing a cached prefix) attends to keys read through a block table, a tile at a time, with
 // two register-tiled products (tile_gemm_cpu.h) and the softmax online in between, in float32.
 // Leaves each row's running max, sum and unnormalized output in `Rows`: callers normalize and
 // store (prefill) or carry the state on (the decode kernel continues over the unshared keys).
@@ -24,7 +24,7 @@
 namespace attention_rows {
 
 constexpr int64_t kTaskRows = 96;  // query rows per task (positions x the query heads of one KV head)
-constexpr int64_t kKeyTile = 64;   // keys per step (even: the bfloat16 pairs take two keys at a time)
+constexpr int64_t kKeyTile = 64;   // keys per step unless a packing says (even: bfloat16 pairs take two keys)
 constexpr float kMasked = -1e30f;  // finite "minus infinity": the kernel is built with -ffast-math
 
 struct Shape {
@@ -50,11 +50,12 @@ template <typename scalar_t>
 struct F32Packing {
   using E = F32Elements;
   static constexpr bool kScaledScores = false;
+  static constexpr int64_t kKeys = kKeyTile;
   static int64_t padded_head(int64_t D) { return (D + kW - 1) / kW * kW; }
 
   struct Buffers {
     std::vector<float> qt, k, v;
-    explicit Buffers(const Shape& sh) : qt(sh.Dp * sh.max_rows()), k(kKeyTile * sh.Dp), v(kKeyTile * sh.Dp) {}
+    Buffers(const Shape& sh, int64_t keys) : qt(sh.Dp * sh.max_rows()), k(keys * sh.Dp), v(keys * sh.Dp) {}
   };
 
   template <typename RowFn>
@@ -99,13 +100,13 @@ struct F32Packing {
 struct Bf16DotPacking {
   using E = Bf16PairElements;
   static constexpr bool kScaledScores = true;
+  static constexpr int64_t kKeys = kKeyTile;
   static int64_t padded_head(int64_t D) { return (D + 31) / 32 * 32; }  // whole 32-value vectors
 
   struct Buffers {
     std::vector<uint32_t> qp, k, vp, pp;
-    explicit Buffers(const Shape& sh)
-        : qp(sh.Dp / 2 * sh.max_rows()), k(kKeyTile * sh.Dp / 2), vp(kKeyTile / 2 * sh.Dp),
-          pp(kKeyTile / 2 * sh.max_rows()) {}
+    Buffers(const Shape& sh, int64_t keys)
+        : qp(sh.Dp / 2 * sh.max_rows()), k(keys * sh.Dp / 2), vp(keys / 2 * sh.Dp), pp(keys / 2 * sh.max_rows()) {}
   };
 
   // A row's Dp bfloat16 as bits: in place when D == Dp, else zero padded into `buf`.
@@ -181,8 +182,8 @@ struct Bf16DotPacking {
 // each row's position.
 struct Rows {
   std::vector<float> st, o, m, l, pos;
-  explicit Rows(const Shape& sh)
-      : st(kKeyTile * sh.max_rows()), o(sh.max_rows() * sh.Dp), m(sh.max_rows()), l(sh.max_rows()),
+  Rows(const Shape& sh, int64_t keys)
+      : st(keys * sh.max_rows()), o(sh.max_rows() * sh.Dp), m(sh.max_rows()), l(sh.max_rows()),
         pos(sh.max_rows()) {}
 };
 
@@ -190,7 +191,7 @@ template <typename Pack>
 struct Workspace {  // a thread's (~100 KiB at head size 64: L2-resident)
   Rows rows;
   typename Pack::Buffers buffers;
-  explicit Workspace(const Shape& sh) : rows(sh), buffers(sh) {}
+  explicit Workspace(const Shape& sh) : rows(sh, Pack::kKeys), buffers(sh, Pack::kKeys) {}
 };
 
 // Online softmax over one tile's scores (keys x rows), a vector of rows at a time: the weights P
@@ -206,11 +207,15 @@ void softmax_step(int64_t k0, int64_t n, int64_t Mp, int64_t Dp, bool causal, fl
       const vfloat x = vload(w.st.data() + j * Mp + r0);
       return causal ? (pos >= static_cast<float>(k0 + j) ? x : kMasked) : x;
     };
-    vfloat raw_top = score(0);
-    for (int64_t j = 1; j < n; ++j) {
-      const vfloat x = score(j);
-      raw_top = raw_top > x ? raw_top : x;
-    }
+    auto vmax = [](vfloat a, vfloat b) { return a > b ? a : b; };
+    // Four running maxima: one would wait out vmaxps's latency at every key (20% of the AMX
+    // kernel's time).
+    vfloat tops[4] = {score(0), score(0), score(0), score(0)};
+    int64_t key = 1;
+    for (; key + 4 <= n; key += 4)
+      for (int u = 0; u < 4; ++u) tops[u] = vmax(tops[u], score(key + u));
+    for (; key < n; ++key) tops[0] = vmax(tops[0], score(key));
+    const vfloat raw_top = vmax(vmax(tops[0], tops[1]), vmax(tops[2], tops[3]));
     const vfloat tile_top = raw_top * scale;  // scale > 0: the max of the scaled scores
     const vfloat top = old_max > tile_top ? old_max : tile_top;
     vfloat sum{};
@@ -254,8 +259,8 @@ void attend_rows(QRow q_row, int64_t M, KRow k_row, VRow v_row, int64_t keys, in
   std::fill(rows.m.begin(), rows.m.begin() + Mp, kMasked);
   std::fill(rows.l.begin(), rows.l.begin() + Mp, 0.f);
   const float score_scale = Pack::kScaledScores ? scale : 1.f;
-  for (int64_t k0 = 0; k0 < keys; k0 += kKeyTile) {
-    const int64_t n = std::min(kKeyTile, keys - k0);
+  for (int64_t k0 = 0; k0 < keys; k0 += Pack::kKeys) {
+    const int64_t n = std::min(Pack::kKeys, keys - k0);
     Pack::keys([&](int64_t j) { return k_row(k0 + j); }, [&](int64_t j) { return v_row(k0 + j); }, n, sh, w.buffers);
     Pack::scores(n, Mp, sh, w.buffers, rows.st.data());
     softmax_step<Pack>(k0, n, Mp, Dp, k0 + n - 1 > min_pos, score_scale, rows, w.buffers);
@@ -273,18 +278,6 @@ void for_each_task(int64_t num_tasks, const Shape& sh, Fn&& fn) {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_tasks; ++i) fn(i, w);
   }
-}
-
-// The fastest packing for scalar_t on this CPU, or float32 products when `bf16_dot` is false.
-// Calls fn(pack) with a null pointer of the packing's type.
-template <typename scalar_t, typename Fn>
-void with_packing(bool bf16_dot, Fn&& fn) {
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<scalar_t, at::BFloat16>)
-    if (bf16_dot) return fn(static_cast<Bf16DotPacking*>(nullptr));
-#endif
-  (void)bf16_dot;
-  fn(static_cast<F32Packing<scalar_t>*>(nullptr));
 }
 
 }  // namespace attention_rows

@@ -10,11 +10,14 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
 // leading blocks (decode_shared_prefix_cpu.h): (members, shared blocks) each
 std::vector<std::pair<std::vector<int64_t>, int64_t>> decode_prefix_groups(torch::Tensor block_tables,
                                                                            torch::Tensor seq_lens, int64_t block_size);
-// kernels/paged_attention.py: paged_prefill_attention_ref (float32 and bfloat16). `bf16_dot`:
-// bfloat16 products with AVX-512 BF16 where the CPU has it (false: float32 products, as elsewhere)
+// kernels/paged_attention.py: paged_prefill_attention_ref (float32 and bfloat16). `products`:
+// what the tiles multiply on (amx_packing_cpu.h): "auto" (the fastest here), "float32"
+// (register tiles, any CPU), "bf16_dot" (vdpbf16ps, AVX-512 BF16), "amx" (tile matrix unit)
 torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                       torch::Tensor block_tables, torch::Tensor query_start_loc,
-                                      torch::Tensor seq_lens, double scale, bool bf16_dot);
+                                      torch::Tensor seq_lens, double scale, const std::string& products);
+// The `products` this CPU runs for a dtype, besides "auto"
+std::vector<std::string> prefill_products(torch::ScalarType dtype);
 // kernels/rms_norm.py: rms_norm_ref(x, weight, eps)
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 // kernels/rms_norm.py: rms_norm_ref(x, weight, eps, residual), in place: residual <- x + residual,

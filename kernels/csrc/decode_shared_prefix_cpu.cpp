@@ -2,6 +2,7 @@
 #include "decode_shared_prefix_cpu.h"
 
 #include "attention_rows_cpu.h"
+#include "amx_packing_cpu.h"
 
 #include <algorithm>
 #include <map>
@@ -88,7 +89,7 @@ PrefixStates attend_shared_prefixes(const scalar_t* q, const scalar_t* k_cache, 
   for (const PrefixGroup& g : groups)
     for (const int64_t b : g.members) states.start[b] = g.blocks * block_size;
   const Shape sh{heads, kv_heads, heads / kv_heads, head_size, 0, block_size, max_blocks};
-  with_packing<scalar_t>(true, [&](auto* pack) {
+  with_packing<scalar_t>(Products::kAuto, [&](auto* pack) {
     attend_groups<scalar_t, std::remove_pointer_t<decltype(pack)>>(groups, q, k_cache, v_cache, block_tables, sh,
                                                                    scale, states);
   });

@@ -9,6 +9,7 @@
 // long context is a few rows over many keys and needs no padding or mask.
 #include "cpu_ops.h"
 #include "attention_rows_cpu.h"
+#include "amx_packing_cpu.h"
 #include <ATen/Parallel.h>
 #include <omp.h>
 
@@ -104,9 +105,27 @@ void prefill(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache
 
 }  // namespace
 
+namespace attention_rows {
+Products parse_products(const std::string& name) {
+  if (name == "auto") return Products::kAuto;
+  if (name == "float32") return Products::kFloat32;
+  if (name == "bf16_dot") return Products::kBf16Dot;
+  if (name == "amx") return Products::kAmx;
+  TORCH_CHECK(false, "products: auto, float32, bf16_dot or amx, not ", name);
+}
+}  // namespace attention_rows
+
+std::vector<std::string> prefill_products(torch::ScalarType dtype) {
+  std::vector<std::string> names;
+  for (const char* name : {"float32", "bf16_dot", "amx"})
+    if (attention_rows::has_products(attention_rows::parse_products(name), dtype == at::kBFloat16))
+      names.push_back(name);
+  return names;
+}
+
 torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                       torch::Tensor block_tables, torch::Tensor query_start_loc,
-                                      torch::Tensor seq_lens, double scale, bool bf16_dot) {
+                                      torch::Tensor seq_lens, double scale, const std::string& products) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [T,H,D], caches [N,BS,KVH,D]");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
                   query_start_loc.scalar_type() == torch::kInt32,
@@ -129,10 +148,11 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cac
                     (lens[b] + key_cache.size(1) - 1) / key_cache.size(1) <= block_tables.size(1),
                 "sequence ", b, ": its new tokens exceed its length or its length its block table");
   const Shape sh{H, KVH, H / KVH, D, 0, key_cache.size(1), block_tables.size(1)};
+  const attention_rows::Products choice = attention_rows::parse_products(products);
   auto out = torch::empty_like(query);
   auto run = [&](auto* typed) {
     using scalar_t = std::remove_pointer_t<decltype(typed)>;
-    with_packing<scalar_t>(bf16_dot, [&](auto* pack) {
+    with_packing<scalar_t>(choice, [&](auto* pack) {
       prefill<scalar_t, std::remove_pointer_t<decltype(pack)>>(
           query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
           block_tables.data_ptr<int32_t>(), starts, lens, B, sh, static_cast<float>(scale), out.data_ptr<scalar_t>());
