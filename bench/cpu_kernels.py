@@ -23,7 +23,11 @@ import torch
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # not bench/: bench/kernels.py shadows kernels
 from streamer_kernels.activation import silu_and_mul_ref  # noqa: E402
 from streamer_kernels.cache_ops import reshape_and_cache_ref  # noqa: E402
-from streamer_kernels.cpu_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu  # noqa: E402
+from streamer_kernels.cpu_attention import (  # noqa: E402
+    paged_decode_attention_cpu,
+    paged_prefill_attention_cpu,
+    prefill_products,
+)
 from streamer_kernels.elementwise_cpu import (  # noqa: E402
     reshape_and_cache_cpu,
     rms_norm_cpu,
@@ -105,11 +109,12 @@ def prefill_cases(dtype: torch.dtype) -> list[tuple[str, Callable, Callable, int
         tables = torch.randperm(blocks + 4)[:blocks].view(1, blocks).int()
         q = torch.randn(new, HEADS, HEAD).to(dtype)
         starts, lens = torch.tensor([0, new], dtype=torch.int32), torch.tensor([length], dtype=torch.int32)
-        cases.append((f"prefill attention {context}+{new}",
-                      lambda q=q, k=k, v=v, t=tables, s=starts, n=lens: paged_prefill_attention_cpu(q, k, v, t, s, n,
-                                                                                                     0.125),
-                      lambda q=q, k=k, v=v, t=tables, s=starts, n=lens: paged_prefill_attention_ref(q, k, v, t, s, n,
-                                                                                                     0.125), 0))
+        for products in prefill_products(dtype):  # every product path this CPU runs
+            cases.append((f"prefill attention {context}+{new} ({products})",
+                          lambda q=q, k=k, v=v, t=tables, s=starts, n=lens, p=products: paged_prefill_attention_cpu(
+                              q, k, v, t, s, n, 0.125, products=p),
+                          lambda q=q, k=k, v=v, t=tables, s=starts, n=lens: paged_prefill_attention_ref(
+                              q, k, v, t, s, n, 0.125), 0))
     return cases
 
 
