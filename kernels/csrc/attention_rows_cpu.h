@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace attention_rows {
@@ -52,6 +53,11 @@ struct F32Packing {
   static constexpr bool kScaledScores = false;
   static constexpr int64_t kKeys = kKeyTile;
   static int64_t padded_head(int64_t D) { return (D + kW - 1) / kW * kW; }
+  // Packed K and V: rows of Dp floats; where key k0 starts in each.
+  using KElem = float;
+  using VElem = float;
+  static int64_t k_offset(int64_t k0, const Shape& sh) { return k0 * sh.Dp; }
+  static int64_t v_offset(int64_t k0, const Shape& sh) { return k0 * sh.Dp; }
 
   struct Buffers {
     std::vector<float> qt, k, v;
@@ -68,16 +74,17 @@ struct F32Packing {
     }
   }
 
+  // n keys packed at k and v (a tile's worth: the caller's buffers or a slice of a packed cache).
   template <typename KRow, typename VRow>
-  static void keys(KRow k_row, VRow v_row, int64_t n, const Shape& sh, Buffers& b) {
+  static void keys(KRow k_row, VRow v_row, int64_t n, const Shape& sh, float* k, float* v) {
     for (int64_t j = 0; j < n; ++j) {
-      load_row(k_row(j), sh.D, sh.Dp, b.k.data() + j * sh.Dp);
-      load_row(v_row(j), sh.D, sh.Dp, b.v.data() + j * sh.Dp);
+      load_row(k_row(j), sh.D, sh.Dp, k + j * sh.Dp);
+      load_row(v_row(j), sh.D, sh.Dp, v + j * sh.Dp);
     }
   }
 
-  static void scores(int64_t n, int64_t Mp, const Shape& sh, const Buffers& b, float* st) {  // st [n][Mp]
-    tile_gemm_product<E>(b.k.data(), sh.Dp, 1, b.qt.data(), Mp, n, Mp, sh.Dp, st, Mp, false);
+  static void scores(int64_t n, int64_t Mp, const Shape& sh, const float* k, const Buffers& b, float* st) {  // st [n][Mp]
+    tile_gemm_product<E>(k, sh.Dp, 1, b.qt.data(), Mp, n, Mp, sh.Dp, st, Mp, false);
   }
 
   // The weights of keys j and j + 1 (when j + 1 < n) for rows r0.. replace their scores.
@@ -86,8 +93,9 @@ struct F32Packing {
     if (j + 1 < n) vstore(st + (j + 1) * Mp + r0, p1);
   }
 
-  static void weighted_values(int64_t n, int64_t Mp, const Shape& sh, const float* p, Buffers& b, float* o) {
-    tile_gemm_product<E>(p, 1, Mp, b.v.data(), sh.Dp, Mp, sh.Dp, n, o, sh.Dp, true);  // o += P V
+  static void weighted_values(int64_t n, int64_t Mp, const Shape& sh, const float* p, const float* v, Buffers&,
+                              float* o) {
+    tile_gemm_product<E>(p, 1, Mp, v, sh.Dp, Mp, sh.Dp, n, o, sh.Dp, true);  // o += P V
   }
 };
 
@@ -102,11 +110,16 @@ struct Bf16DotPacking {
   static constexpr bool kScaledScores = true;
   static constexpr int64_t kKeys = kKeyTile;
   static int64_t padded_head(int64_t D) { return (D + 31) / 32 * 32; }  // whole 32-value vectors
+  // Packed K: rows of Dp/2 words; V: pairs of rows, Dp words each (k0 is even).
+  using KElem = uint32_t;
+  using VElem = uint32_t;
+  static int64_t k_offset(int64_t k0, const Shape& sh) { return k0 * sh.Dp / 2; }
+  static int64_t v_offset(int64_t k0, const Shape& sh) { return k0 / 2 * sh.Dp; }
 
   struct Buffers {
-    std::vector<uint32_t> qp, k, vp, pp;
+    std::vector<uint32_t> qp, k, v, pp;
     Buffers(const Shape& sh, int64_t keys)
-        : qp(sh.Dp / 2 * sh.max_rows()), k(keys * sh.Dp / 2), vp(keys / 2 * sh.Dp), pp(keys / 2 * sh.max_rows()) {}
+        : qp(sh.Dp / 2 * sh.max_rows()), k(keys * sh.Dp / 2), v(keys / 2 * sh.Dp), pp(keys / 2 * sh.max_rows()) {}
   };
 
   // A row's Dp bfloat16 as bits: in place when D == Dp, else zero padded into `buf`.
@@ -145,14 +158,14 @@ struct Bf16DotPacking {
   }
 
   template <typename KRow, typename VRow>
-  static void keys(KRow k_row, VRow v_row, int64_t n, const Shape& sh, Buffers& b) {
+  static void keys(KRow k_row, VRow v_row, int64_t n, const Shape& sh, uint32_t* k, uint32_t* v) {
     static const uint16_t zeros[512] = {};
     uint16_t buf0[512], buf1[512];
-    for (int64_t j = 0; j < n; ++j) std::memcpy(&b.k[j * sh.Dp / 2], padded(k_row(j), sh, buf0), sh.Dp * 2);
+    for (int64_t j = 0; j < n; ++j) std::memcpy(k + j * sh.Dp / 2, padded(k_row(j), sh, buf0), sh.Dp * 2);
     for (int64_t j = 0; j < n; j += 2) {  // an odd tile's last pair takes a zero row: never garbage
       const uint16_t* v0 = padded(v_row(j), sh, buf0);
       const uint16_t* v1 = j + 1 < n ? padded(v_row(j + 1), sh, buf1) : zeros;
-      uint32_t* dst = &b.vp[j / 2 * sh.Dp];
+      uint32_t* dst = v + j / 2 * sh.Dp;
       for (int64_t d = 0; d < sh.Dp; d += 32) {
         const __m512i x = _mm512_loadu_si512(v0 + d), y = _mm512_loadu_si512(v1 + d);
         _mm512_storeu_si512(dst + d, pairs<0, 32>(x, y));        // V[j][d + i], V[j + 1][d + i], i < 16
@@ -161,8 +174,8 @@ struct Bf16DotPacking {
     }
   }
 
-  static void scores(int64_t n, int64_t Mp, const Shape& sh, const Buffers& b, float* st) {
-    tile_gemm_product<E>(b.k.data(), sh.Dp / 2, 1, b.qp.data(), Mp, n, Mp, sh.Dp / 2, st, Mp, false);
+  static void scores(int64_t n, int64_t Mp, const Shape& sh, const uint32_t* k, const Buffers& b, float* st) {
+    tile_gemm_product<E>(k, sh.Dp / 2, 1, b.qp.data(), Mp, n, Mp, sh.Dp / 2, st, Mp, false);
   }
 
   // The weights of keys j and j + 1 for rows r0.. as bfloat16 pairs (pp[j/2][r]), straight from
@@ -172,8 +185,9 @@ struct Bf16DotPacking {
     _mm512_storeu_si512(&b.pp[j / 2 * Mp + r0], pairs<0, 16>(both, both));
   }
 
-  static void weighted_values(int64_t n, int64_t Mp, const Shape& sh, const float*, Buffers& b, float* o) {
-    tile_gemm_product<E>(b.pp.data(), 1, Mp, b.vp.data(), sh.Dp, Mp, sh.Dp, (n + 1) / 2, o, sh.Dp, true);
+  static void weighted_values(int64_t n, int64_t Mp, const Shape& sh, const float*, const uint32_t* v, Buffers& b,
+                              float* o) {
+    tile_gemm_product<E>(b.pp.data(), 1, Mp, v, sh.Dp, Mp, sh.Dp, (n + 1) / 2, o, sh.Dp, true);
   }
 };
 #endif
@@ -246,11 +260,12 @@ inline const scalar_t* cache_row(const scalar_t* cache, const int32_t* table, in
 }
 
 // Rows [0, M) (positions in rows.pos, filled by the caller; the smallest is `min_pos`) attend
-// to keys [0, keys): q_row(r), k_row(j), v_row(j) give the head rows. Keys past a row's position
-// are masked; tiles past every row's position are the caller's to leave out (`keys`).
-template <typename Pack, typename QRow, typename KRow, typename VRow>
-void attend_rows(QRow q_row, int64_t M, KRow k_row, VRow v_row, int64_t keys, int64_t min_pos, const Shape& sh,
-                 float scale, Workspace<Pack>& w) {
+// to keys [0, keys): q_row(r) gives a head row, tile(k0, n) the packed K and V of keys
+// [k0, k0 + n) as a pair of pointers. Keys past a row's position are masked; tiles past every
+// row's position are the caller's to leave out (`keys`).
+template <typename Pack, typename QRow, typename TileFn>
+void attend_tiles(QRow q_row, int64_t M, TileFn tile, int64_t keys, int64_t min_pos, const Shape& sh, float scale,
+                  Workspace<Pack>& w) {
   const int64_t Dp = sh.Dp, Mp = (M + kW - 1) / kW * kW;
   Rows& rows = w.rows;
   Pack::queries(q_row, M, Mp, sh, scale, w.buffers);
@@ -261,11 +276,25 @@ void attend_rows(QRow q_row, int64_t M, KRow k_row, VRow v_row, int64_t keys, in
   const float score_scale = Pack::kScaledScores ? scale : 1.f;
   for (int64_t k0 = 0; k0 < keys; k0 += Pack::kKeys) {
     const int64_t n = std::min(Pack::kKeys, keys - k0);
-    Pack::keys([&](int64_t j) { return k_row(k0 + j); }, [&](int64_t j) { return v_row(k0 + j); }, n, sh, w.buffers);
-    Pack::scores(n, Mp, sh, w.buffers, rows.st.data());
+    const auto [k, v] = tile(k0, n);
+    Pack::scores(n, Mp, sh, k, w.buffers, rows.st.data());
     softmax_step<Pack>(k0, n, Mp, Dp, k0 + n - 1 > min_pos, score_scale, rows, w.buffers);
-    Pack::weighted_values(n, Mp, sh, rows.st.data(), w.buffers, rows.o.data());
+    Pack::weighted_values(n, Mp, sh, rows.st.data(), v, w.buffers, rows.o.data());
   }
+}
+
+// attend_tiles with each tile packed into the workspace as it is reached, from k_row(j) and
+// v_row(j), the head rows of key j.
+template <typename Pack, typename QRow, typename KRow, typename VRow>
+void attend_rows(QRow q_row, int64_t M, KRow k_row, VRow v_row, int64_t keys, int64_t min_pos, const Shape& sh,
+                 float scale, Workspace<Pack>& w) {
+  auto& b = w.buffers;
+  auto tile = [&](int64_t k0, int64_t n) {
+    Pack::keys([&](int64_t j) { return k_row(k0 + j); }, [&](int64_t j) { return v_row(k0 + j); }, n, sh, b.k.data(),
+               b.v.data());
+    return std::pair<const typename Pack::KElem*, const typename Pack::VElem*>(b.k.data(), b.v.data());
+  };
+  attend_tiles<Pack>(q_row, M, tile, keys, min_pos, sh, scale, w);
 }
 
 // fn(i, workspace) for every task i < num_tasks, on all threads, each with its own workspace.
