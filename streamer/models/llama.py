@@ -53,10 +53,13 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, meta))
 
 
-# A long prefill step's MLP runs on the CPU in slices of this many rows: at 2,048 rows the
-# gate/up output (2,048 x 2 x the intermediate size) outgrows the caches between its GEMM and
-# SiLU-and-mul, and the MLP measured 7-17% slower in float32 than in two slices (bench/README.md).
-CPU_MLP_ROWS = 1024
+# A long float32 prefill step's MLP runs on the CPU in slices of this many rows: at 2,048 rows
+# the gate/up output (2,048 x 2 x the intermediate size) outgrows the caches between its GEMM and
+# SiLU-and-mul, and the MLP measured 7-17% slower than in two slices. bfloat16 runs whole: its
+# intermediate is half the bytes, and oneDNN's AMX kernels slow down at 512-1,024 rows (the down
+# projection at 1.3-1.4 TFLOP/s against 2.6 at 2,048), so a 2,048-row MLP took 8.1-8.6 ms whole
+# against 10.8-11.0 in two slices (bench/README.md).
+CPU_MLP_ROWS = {torch.float32: 1024}
 
 
 class LlamaMLP(nn.Module):
@@ -68,11 +71,12 @@ class LlamaMLP(nn.Module):
         self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or len(x) <= CPU_MLP_ROWS:
+        rows = CPU_MLP_ROWS.get(x.dtype)
+        if x.device.type != "cpu" or rows is None or len(x) <= rows:
             return self._mlp(x)
         out = torch.empty_like(x)
-        for start in range(0, len(x), CPU_MLP_ROWS):
-            out[start:start + CPU_MLP_ROWS] = self._mlp(x[start:start + CPU_MLP_ROWS])
+        for start in range(0, len(x), rows):
+            out[start:start + rows] = self._mlp(x[start:start + rows])
         return out
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
