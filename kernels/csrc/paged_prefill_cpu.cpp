@@ -17,7 +17,6 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
-#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -56,8 +55,8 @@ class PackedKV {
         for (int64_t k0 = 0; k0 < seq_lens[b]; k0 += Pack::kKeys) tiles.push_back({b, h, k0});
       }
     }
-    k_ = arena<typename Pack::KElem, 0>(k_size);
-    v_ = arena<typename Pack::VElem, 1>(v_size);
+    k_ = buffer<typename Pack::KElem, 0>(k_size, own_k_);
+    v_ = buffer<typename Pack::VElem, 1>(v_size, own_v_);
     at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const auto [b, h, k0] = tiles[i];
@@ -75,30 +74,32 @@ class PackedKV {
     });
   }
 
-  // The packed K and V from key k0 of a sequence's KV head, or nulls where it is not packed.
+  bool packed(int64_t seq, int64_t kv_head, const Shape& sh) const { return k_start_[seq * sh.kv_heads + kv_head] >= 0; }
+
+  // The packed K and V from key k0 of a packed sequence's KV head.
   std::pair<const typename Pack::KElem*, const typename Pack::VElem*> tile(int64_t seq, int64_t kv_head, int64_t k0,
                                                                            const Shape& sh) const {
     const int64_t i = seq * sh.kv_heads + kv_head;
-    if (k_start_[i] < 0) return {nullptr, nullptr};
     return {k_ + k_start_[i] + Pack::k_offset(k0, sh), v_ + v_start_[i] + Pack::v_offset(k0, sh)};
   }
 
  private:
-  // The calling thread's buffer of at least n elements: kept between calls up to 64 MiB (fresh
-  // pages cost a fault each: ~6% of a 1,450-token prompt's attention), freed above that.
+  // At least n elements: the calling thread's buffer, kept between calls, up to 64 MiB (fresh
+  // pages cost a fault each: ~6% of a 1,450-token prompt's attention); above that `own`, freed
+  // with this object.
   template <typename T, int Which>
-  static T* arena(int64_t n) {
-    thread_local std::vector<T> kept;
-    thread_local std::vector<T> big;
-    big = std::vector<T>();
+  static T* buffer(int64_t n, std::vector<T>& own) {
     if (n * static_cast<int64_t>(sizeof(T)) > (int64_t{64} << 20)) {
-      big.resize(n);
-      return big.data();
+      own.resize(n);
+      return own.data();
     }
+    thread_local std::vector<T> kept;
     if (static_cast<int64_t>(kept.size()) < n) kept.resize(n);
     return kept.data();
   }
 
+  std::vector<typename Pack::KElem> own_k_;
+  std::vector<typename Pack::VElem> own_v_;
   typename Pack::KElem* k_ = nullptr;
   typename Pack::VElem* v_ = nullptr;
   std::vector<int64_t> k_start_, v_start_;  // per (sequence, KV head); -1: not packed
@@ -117,7 +118,7 @@ class PrefillKernel {
     for (int64_t r = 0; r < M; ++r) w.rows.pos[r] = static_cast<float>(context + t.q0 + r / G);
     auto q_row = [&](int64_t r) { return query_row(q_, t, row0, r); };
     const int64_t keys = context + t.q1;  // the last row's position + 1: keys past it are masked for all
-    if (kv_.tile(t.seq, t.kv_head, 0, sh_).first != nullptr) {
+    if (kv_.packed(t.seq, t.kv_head, sh_)) {
       attend_tiles<Pack>(q_row, M, [&](int64_t k0, int64_t) { return kv_.tile(t.seq, t.kv_head, k0, sh_); }, keys,
                          context + t.q0, sh_, scale_, w);
     } else {
