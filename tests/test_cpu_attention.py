@@ -239,7 +239,37 @@ def test_cpu_prefill_is_one_compiled_call(dtype):
     names = [e.name for e in prof.events()]
     assert names and not [n for n in names if any(w in n for w in ("attention", "bmm", "softmax", "index", "gather",
                                                                      "matmul", "repeat"))], names
-    assert len(names) <= 6, names  # the int32 views, the kernel's output and its copy into `out`
+    assert len(names) <= 6, names  # the int32 views and the kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_prefill_reads_strided_query_rows_in_place_and_writes_into_out(dtype):
+    """The model passes q as a view of the fused QKV output (token rows strided) and the backend
+    a slice of its output: both are used in place, with the results of a dense query, bit for bit."""
+    case = PREFILL_CASES[3]
+    kv, _, tables, starts, seq_lens, query = _prefill_case(case, seed=9, dtype=dtype)
+    t, heads, d = query.shape
+    fused = torch.randn(t, (heads + 2 * case[1]) * d).to(dtype)
+    fused[:, :heads * d] = query.reshape(t, -1)
+    strided = fused[:, :heads * d].view(t, heads, d)
+    assert not strided.is_contiguous()
+    dense = paged_prefill_attention_cpu(query, kv.key_cache, kv.value_cache, tables, starts, seq_lens, 0.125)
+    out = torch.full((t + 3, heads, d), float("nan"), dtype=dtype)
+    with torch.profiler.profile() as prof:
+        got = paged_prefill_attention_cpu(strided, kv.key_cache, kv.value_cache, tables, starts, seq_lens, 0.125,
+                                          out=out[3:])
+    assert got.data_ptr() == out[3:].data_ptr() and torch.equal(out[3:], dense)
+    assert out[:3].isnan().all()  # nothing written outside `out`
+    assert not [e.name for e in prof.events() if "copy" in e.name or "contiguous" in e.name]
+
+
+def test_cpu_prefill_rejects_an_out_it_cannot_fill():
+    case = PREFILL_CASES[0]
+    kv, _, tables, starts, seq_lens, query = _prefill_case(case, seed=4)
+    for out in (torch.empty_like(query)[:-1], torch.empty_like(query, dtype=torch.bfloat16),
+                torch.empty(query.shape[::-1]).transpose(0, 2)):
+        with pytest.raises(RuntimeError, match="out must"):
+            paged_prefill_attention_cpu(query, kv.key_cache, kv.value_cache, tables, starts, seq_lens, 0.125, out=out)
 
 
 def test_cpu_prefill_rejects_inconsistent_shapes():

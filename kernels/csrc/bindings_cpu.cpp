@@ -7,7 +7,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_prefix_groups", &decode_prefix_groups, "sequences the decode kernel attends together (CPU)");
   m.def("paged_prefill_attention", &paged_prefill_attention, "paged prefill/extend attention (CPU)",
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
-        py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("products") = "auto");
+        py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("products") = "auto",
+        py::arg("out") = py::none());
   m.def("prefill_products", &prefill_products, "the prefill products this CPU runs for a dtype");
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual add + RMSNorm, in place (CPU)");

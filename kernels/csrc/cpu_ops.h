@@ -3,6 +3,8 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <optional>
+
 // kernels/paged_attention.py: paged_decode_attention_ref
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
@@ -12,10 +14,12 @@ std::vector<std::pair<std::vector<int64_t>, int64_t>> decode_prefix_groups(torch
                                                                            torch::Tensor seq_lens, int64_t block_size);
 // kernels/paged_attention.py: paged_prefill_attention_ref (float32 and bfloat16). `products`:
 // what the tiles multiply on (amx_packing_cpu.h): "auto" (the fastest here), "float32"
-// (register tiles, any CPU), "bf16_dot" (vdpbf16ps, AVX-512 BF16), "amx" (tile matrix unit)
+// (register tiles, any CPU), "bf16_dot" (vdpbf16ps, AVX-512 BF16), "amx" (tile matrix unit).
+// `query`'s token rows may be strided; written into `out` (dense, the query's shape) when given
 torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                       torch::Tensor block_tables, torch::Tensor query_start_loc,
-                                      torch::Tensor seq_lens, double scale, const std::string& products);
+                                      torch::Tensor seq_lens, double scale, const std::string& products,
+                                      std::optional<torch::Tensor> out);
 // The `products` this CPU runs for a dtype, besides "auto"
 std::vector<std::string> prefill_products(torch::ScalarType dtype);
 // kernels/rms_norm.py: rms_norm_ref(x, weight, eps)

@@ -41,7 +41,7 @@ class AttentionBackend(ABC):
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Attention of `query` `[T, heads, head_size]` over the cache (after `write_kv`):
         decodes and prefills fill disjoint row ranges of one output."""
-        out = torch.empty_like(query)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # dense: `query` may be a strided view
         nd = meta.num_decodes
         if nd:
             self.decode(query[:nd], key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,

@@ -45,8 +45,8 @@ class CpuBackend(TorchBackend):
         if not self._fast(query):
             return super().prefill(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
                                    max_query_len, out)
-        out.copy_(paged_prefill_attention_cpu(query, key_cache, value_cache, block_tables, query_start_loc,
-                                              seq_lens, scale))
+        paged_prefill_attention_cpu(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+                                    out=out)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
