@@ -178,7 +178,8 @@ std::vector<Task> make_tasks(const int32_t* starts, const int32_t* seq_lens, int
 
 template <typename scalar_t, typename Pack>
 void prefill(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const scalar_t* v_cache,
-             const int32_t* block_tables, const int32_t* starts, const int32_t* seq_lens, int64_t num_seqs, Shape sh, float scale, scalar_t* out) {
+             const int32_t* block_tables, const int32_t* starts, const int32_t* seq_lens, int64_t num_seqs, Shape sh,
+             float scale, scalar_t* out) {
   sh.Dp = Pack::padded_head(sh.D);
   const std::vector<Task> tasks = make_tasks(starts, seq_lens, num_seqs, sh);
   const PackedKV<Pack> kv(k_cache, v_cache, block_tables, starts, seq_lens, num_seqs, sh);
@@ -249,8 +250,9 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cac
     using scalar_t = std::remove_pointer_t<decltype(typed)>;
     with_packing<scalar_t>(choice, [&](auto* pack) {
       prefill<scalar_t, std::remove_pointer_t<decltype(pack)>>(
-          query.data_ptr<scalar_t>(), query.stride(0), key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
-          block_tables.data_ptr<int32_t>(), starts, lens, B, sh, static_cast<float>(scale), out->data_ptr<scalar_t>());
+          query.data_ptr<scalar_t>(), query.stride(0), key_cache.data_ptr<scalar_t>(),
+          value_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(), starts, lens, B, sh,
+          static_cast<float>(scale), out->data_ptr<scalar_t>());
     });
   };
   if (query.scalar_type() == at::kFloat)
