@@ -155,9 +155,10 @@ async def test_generate_shows_where_its_prompt_waits_on_a_terminal(tmp_path: Pat
         await r.xadd(NAMES.requests, encode_job({"id": "busy", "prompt_token_ids": [3 + i % 400 for i in range(8000)],
                                                  "params": {"max_tokens": 1}}))
         await asyncio.sleep(0.3)  # the worker has it
-        # ~9,600 prompt tokens in 16-token chunks: over 2 s of prefill, two of the display's 1 s polls.
+        # ~9,600 prompt tokens in 16-token chunks: 600 steps (0.5 s with the compiled kernels on a fast
+        # machine, which a 1 s refresh missed in a fresh-clone CI), the display refreshed every 50 ms.
         argv = [sys.executable, "-m", "workers.cli", "generate", "paged attention " * 1200, "--redis", redis_url,
-                "--max-tokens", "3", "--params", '{"ignore_eos": true}']
+                "--max-tokens", "3", "--params", '{"ignore_eos": true}', "--status-interval", "0.05"]
         raw = await anyio.to_thread.run_sync(lambda: pty_output(argv, terminal_env(), timeout=90))
     await r.aclose()
     text = ANSI.sub("", raw)

@@ -17,6 +17,7 @@ import anyio
 from clients.backoff import TRANSIENT
 from clients.errors import NoWorker
 from clients.redis_client import AsyncClient
+from workers.arg_types import refresh_seconds
 from workers.errors import UserError
 from workers.progress_display import task
 from workers.redis_options import add_redis_arguments, check_redis, names_from_args
@@ -33,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='more sampling parameters as JSON, e.g. \'{"top_p":0.9}\'')
     parser.add_argument("--encoding", choices=("json", "msgpack"), default="json", help="wire encoding")
     parser.add_argument("--timeout", type=float, default=300.0, help="longest wait for the next token (s)")
+    parser.add_argument("--status-interval", type=refresh_seconds, default=1.0,
+                        help="seconds between refreshes of where the prompt waits (shown on a terminal until "
+                             "the first token)")
     parser.add_argument("--wait", action="store_true",
                         help="queue the prompt even when no worker is alive, and wait for one (default: "
                              "say so within 2 s)")
@@ -63,7 +67,7 @@ async def _generate(args: argparse.Namespace) -> int:
         async with anyio.create_task_group() as tg:
             tg.start_soon(_on_signal, stop, tg.cancel_scope)
             first = FirstEvent()
-            tg.start_soon(_show_status, client, request_id, first)
+            tg.start_soon(_show_status, client, request_id, first, args.status_interval)
             try:
                 return await _print_stream(client, request_id, args, stop, first)
             finally:
@@ -105,9 +109,9 @@ class FirstEvent:
             await self.cleared.wait()
 
 
-async def _show_status(client: AsyncClient, request_id: str, first: FirstEvent) -> None:
+async def _show_status(client: AsyncClient, request_id: str, first: FirstEvent, every_s: float) -> None:
     """Until the first event, on a terminal: where the request is (its place in the queue, its
-    prompt's progress on a worker), refreshed every second (clients/progress.py)."""
+    prompt's progress on a worker), refreshed every `every_s` (clients/progress.py)."""
     try:
         with task("waiting for the answer", summary=False) as shown:
             while shown.drawn and not first.arrived.is_set():
@@ -117,7 +121,7 @@ async def _show_status(client: AsyncClient, request_id: str, first: FirstEvent) 
                                  total=status.total)
                 except TRANSIENT:
                     pass  # only a display: the stream itself reports a lost Redis
-                with anyio.move_on_after(1.0):
+                with anyio.move_on_after(every_s):
                     await first.arrived.wait()
             await first.arrived.wait()
     finally:

@@ -14,15 +14,18 @@ at most one poll period both do. `streamer_queue_exporter{worker}` says which wo
 The series carry no `worker` label: a change of exporter leaves the series as they were.
 
 The monitor has a Redis connection of its own, used every poll (every worker polls the heartbeat
-set), so it also tells when the worker's connection to Redis was lost: a Redis restart or a dropped
-connection fails its next poll, however short the outage, and the poll after it reconnects
-(`streamer_worker_redis_reconnects_total`). The worker's other connections, in a pool, are remade
-by whichever loop uses them next, without a trace.
+set), so it also tells when the worker's connection to Redis was lost
+(`streamer_worker_redis_reconnects_total`, once per poll that had to reconnect): a poll that went
+through after one failed, or one whose connection had to be made again, however short the outage.
+redis-py remakes a connection the server closed when it is next taken from the pool, so a poll after
+a quick Redis restart does not fail: the connection's own connect callback tells. The worker's other
+connections, in a pool, are remade by whichever loop uses them next, without a trace.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -55,14 +58,19 @@ _GAUGES = (
 class QueueMonitor:
     """Every `every_s`, reads the heartbeat set, and the request streams while this worker is the
     exporter; a collector of `registry` (what it last read: nothing while it is not the exporter or
-    Redis failed). `on_reconnect()`: a poll went through after one failed for want of Redis."""
+    Redis failed). `on_reconnect()`: a poll went through after one failed for want of Redis, or had
+    to make its connection again."""
 
     def __init__(self, config: WorkerConfig, registry: CollectorRegistry,
                  on_reconnect: Callable[[], None] = lambda: None, every_s: float = QUEUE_POLL_S) -> None:
         self.names, self.consumer, self.every_s = config.names, config.consumer, every_s
         self.on_reconnect = on_reconnect
+        self._made: weakref.WeakSet[Any] = weakref.WeakSet()  # connections that have connected once
+        self._remade = False  # during this poll, one of them connected again
+        # A cluster client sets its nodes' connect callbacks itself: there only a failed poll counts.
+        hook = {} if config.names.cluster else {"redis_connect_func": self._connected}
         self.redis = async_client(config.redis_url, 1, config.redis_pool_timeout_s, cluster=config.names.cluster,
-                                  socket_connect_timeout=2)
+                                  socket_connect_timeout=2, **hook)
         self._live = live_script(self.redis)
         self.exporting = False
         self.queues: dict[str, tuple[int, int, int]] = {}  # stream -> (backlog, lag, pending)
@@ -73,8 +81,9 @@ class QueueMonitor:
         failed = False
         while True:
             try:
+                self._remade = False
                 await self.poll()
-                if failed:
+                if failed or self._remade:
                     self.on_reconnect()
                 failed = False
             except TRANSIENT as e:  # the other loops log it; here the numbers just go away meanwhile
@@ -87,6 +96,11 @@ class QueueMonitor:
 
     async def aclose(self) -> None:
         await self.redis.aclose()
+
+    async def _connected(self, connection: Any) -> None:
+        await connection.on_connect()  # what redis-py runs without a callback (AUTH, SELECT, ...)
+        self._remade = self._remade or connection in self._made
+        self._made.add(connection)
 
     async def poll(self) -> None:
         live = as_names(await self._live(**live_args(self.names)))
