@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from streamer.attention import get_backend
+from streamer.attention.backend import Rows
 from streamer.config import EngineConfig
 from streamer.layers.cpu_gemm import pack_model
 from streamer.model_config import ModelConfig
@@ -20,7 +21,7 @@ from streamer.parallel_state import SINGLE, TPGroup, building_with
 from streamer.request import Sequence
 from streamer.sampler import Sampler, SamplerOutput
 from streamer.scheduler_output import ScheduledSeq
-from streamer.step import FlatStep, StepInputs, flatten_step, payload_tensor, unflatten_step
+from streamer.step import FlatStep, StepInputs, flatten_step, payload_tensor, sample_rows_meta, unflatten_step
 
 _GIB = 1 << 30
 
@@ -98,10 +99,13 @@ class ModelRunner:
         sequence samples). With tensor parallelism every rank runs this on the same inputs."""
         if inputs.block_copies.numel():
             self.backend.copy_blocks(self.key_caches, self.value_caches, inputs.block_copies)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        if not inputs.sample_rows.numel():
-            return None
-        return self.model.compute_logits(hidden[inputs.sample_rows])
+        rows = inputs.sample_rows
+        if rows.numel() < inputs.input_ids.numel():  # a prompt's chunk: most rows only feed the cache
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta,
+                                Rows(rows, sample_rows_meta(inputs.meta, rows)))
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)[rows]
+        return self.model.compute_logits(hidden) if rows.numel() else None
 
     def sample(self, step: FlatStep, logits: torch.Tensor | None) -> tuple[list[Sequence], SamplerOutput | None]:
         if logits is None:

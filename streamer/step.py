@@ -40,6 +40,24 @@ class StepInputs:
     block_copies: torch.Tensor  # [C, 2] (src, dst), done before the model runs
 
 
+def sample_rows_meta(meta: AttentionMetadata, rows: torch.Tensor) -> AttentionMetadata:
+    """The sample rows as a decode batch: each is the last new token of its sequence, so after the
+    step's K/V are written it attends to its sequence's whole context, `seq_lens` keys, as a decode
+    does (the last layer computes only these rows past its K/V: models/llama.py)."""
+    seq = torch.searchsorted(meta.query_start_loc[1:], (rows + 1).to(torch.int32))  # qsl[seq + 1] == row + 1
+    n = rows.shape[0]
+    return AttentionMetadata(
+        num_decodes=n,
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=rows.device),
+        seq_lens=meta.seq_lens[seq],
+        slot_mapping=meta.slot_mapping[rows],
+        block_tables=meta.block_tables[seq],
+        max_query_len=min(n, 1),
+        max_seq_len=meta.max_seq_len,  # a bound (no device sync): decode kernels take one
+        max_decode_seq_len=meta.max_seq_len,
+    )
+
+
 def flatten_step(scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]] | None,
                  block_size: int) -> FlatStep:
     """Flatten the step: decodes first, then prefill chunks, tokens concatenated, no padding."""

@@ -27,6 +27,15 @@ class AttentionMetadata:
     max_decode_seq_len: int
 
 
+@dataclass
+class Rows:
+    """Some rows of a step (`index` into its tokens) and their attention metadata, for a layer that
+    computes those rows alone past its K/V (step.sample_rows_meta: each a decode over its context)."""
+
+    index: torch.Tensor
+    meta: AttentionMetadata
+
+
 class AttentionBackend(ABC):
     """Stateless kernels over per-layer caches `[num_blocks, block_size, num_kv_heads, head_size]`."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from streamer.attention.backend import AttentionBackend, AttentionMetadata
+from streamer.attention.backend import AttentionBackend, AttentionMetadata, Rows
 
 
 class PagedAttention(nn.Module):
@@ -19,11 +19,16 @@ class PagedAttention(nn.Module):
         self.key_cache = torch.empty(0)
         self.value_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        t = q.shape[0]
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                rows: Rows | None = None) -> torch.Tensor:
+        """Writes every row's K/V; attends for every row, or for `rows` only."""
+        t = k.shape[0]
         k = k.view(t, self.num_kv_heads, self.head_size)
         v = v.view(t, self.num_kv_heads, self.head_size)
         self.backend.write_kv(k, v, self.key_cache, self.value_cache, meta)
-        out = self.backend.forward(q.view(t, self.num_heads, self.head_size), self.key_cache,
+        if rows is not None:
+            q, meta = q[rows.index], rows.meta
+        n = q.shape[0]
+        out = self.backend.forward(q.view(n, self.num_heads, self.head_size), self.key_cache,
                                    self.value_cache, meta, self.scale)
-        return out.reshape(t, self.num_heads * self.head_size)
+        return out.reshape(n, self.num_heads * self.head_size)

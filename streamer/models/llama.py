@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from streamer.attention.backend import AttentionBackend, AttentionMetadata
+from streamer.attention.backend import AttentionBackend, AttentionMetadata, Rows
 from streamer.layers.attention import PagedAttention
 from streamer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from streamer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -46,11 +46,11 @@ class LlamaAttention(nn.Module):
                                    self.head_size ** -0.5, backend)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
-                cos_sin_cache: torch.Tensor) -> torch.Tensor:
+                cos_sin_cache: torch.Tensor, rows: Rows | None = None) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.backend.rotary(positions, q, k, cos_sin_cache, self.head_size)
-        return self.o_proj(self.attn(q, k, v, meta))
+        return self.o_proj(self.attn(q, k, v, meta, rows))
 
 
 # A long float32 prefill step's MLP runs on the CPU in slices of this many rows: at 2,048 rows
@@ -92,13 +92,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                meta: AttentionMetadata, cos_sin_cache: torch.Tensor,
+                rows: Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's K/V; the output of every row, or of `rows` only (in their order)."""
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta, cos_sin_cache)
+        x = self.self_attn(positions, x, meta, cos_sin_cache, rows)
+        if rows is not None:
+            residual = residual[rows.index]
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -128,11 +132,17 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("cos_sin_cache", build_cos_sin_cache(cfg, max_positions, device), persistent=False)
         self.tp_size = get_tp_size()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                rows: Rows | None = None) -> torch.Tensor:
+        """Final hidden states of every row, or of `rows` only: past the last layer only the sampled
+        rows are read, so that layer computes the rest (its queries, attention output, MLP) for
+        them alone, and only K/V for the others (a long prompt's step: 1/L of the work less)."""
         x = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        *layers, last = self.layers
+        for layer in layers:
             x, residual = layer(positions, x, residual, meta, self.cos_sin_cache)
+        x, residual = last(positions, x, residual, meta, self.cos_sin_cache, rows)
         x, _ = self.norm(x, residual)
         return x
 
