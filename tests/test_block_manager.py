@@ -71,8 +71,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def step(self) -> None:
         before = {id(s): s.num_tokens for s in self.live}
+        running = {id(s) for s in self.sched.running}
         out, core = step(self.sched)
         assert out.num_tokens <= 10
+        if out.preempted:  # blocks ran short (no priorities here): nobody waiting, or just preempted, runs
+            kept = running - {id(s) for s in out.preempted}
+            assert all(id(item.seq) in kept for item in out.scheduled), "a step that preempts admitted"
         self.preemptions.update(s.seq_id for s in out.preempted)
         for item in out.scheduled:
             assert len(item.block_ids) * BLOCK_SIZE >= item.seq.num_computed_tokens, "a token has no slot"

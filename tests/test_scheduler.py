@@ -384,3 +384,20 @@ def test_a_prompt_waits_for_a_chunked_prefix_and_a_preempted_leader_releases_it(
     scheduled = step(sched)[0].scheduled
     assert [item.seq for item in scheduled] == [follower]
     assert follower.num_cached_tokens == 192  # the 12 blocks the leader did compute (3 x 64 tokens)
+
+
+def test_a_step_that_preempts_for_blocks_admits_nobody() -> None:
+    """Blocks freed by a preemption are not handed to a waiting sequence in the same step: the victim
+    would be readmitted (recomputed) at once, or another admitted only to be preempted next."""
+    sched = make(num_blocks=2, budget=2)
+    sched.add(seq(6, "a"))
+    sched.add(seq(1, "c", first=50))
+    for _ in range(8):
+        running = list(sched.running)
+        out, _ = step(sched)
+        if out.preempted:
+            break
+    assert [s.request_id for s in out.preempted] == ["a"]
+    kept = [s for s in running if s not in out.preempted]
+    assert [item.seq for item in out.scheduled] == kept  # nobody else, and not the victim again
+    assert sched.waiting.peek().request_id == "a"
