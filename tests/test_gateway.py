@@ -265,28 +265,29 @@ async def test_many_requests_on_one_socket(redis_url: str) -> None:
 
 
 @pytest.mark.anyio
-async def test_resume_after_disconnect_has_no_gap_or_duplicate(redis_url: str) -> None:
+@pytest.mark.parametrize("rid", ["r1", "team:a:1"])  # ids may hold `:`, the SSE id separator
+async def test_resume_after_disconnect_has_no_gap_or_duplicate(redis_url: str, rid: str) -> None:
     r = aioredis.Redis.from_url(redis_url)
     async with running_gateway(config(redis_url, cancel_grace_s=5)) as gw:
         async with connect(gw.ws_url) as ws:
-            await send(ws, {"type": "generate", "id": "r1", "prompt": "x"})
+            await send(ws, {"type": "generate", "id": rid, "prompt": "x"})
             await recv(ws)
-            await emit(r, "r1", tokens("r1", range(0, 4)))
+            await emit(r, rid, tokens(rid, range(0, 4)))
             first = [await recv(ws) for _ in range(3)]  # the client saw seq 0-2, then its socket died
-        await emit(r, "r1", tokens("r1", range(4, 7)))  # generated while nobody listened
+        await emit(r, rid, tokens(rid, range(4, 7)))  # generated while nobody listened
         async with connect(gw.ws_url) as ws:
-            await send(ws, {"type": "resume", "id": "r1", "after_seq": first[-1]["seq"]})
+            await send(ws, {"type": "resume", "id": rid, "after_seq": first[-1]["seq"]})
             await asyncio.sleep(0.2)
-            await emit(r, "r1", tokens("r1", range(7, 9)) + [done("r1", 9)])
-            rest = (await collect(ws, {"r1"}))["r1"]
+            await emit(r, rid, tokens(rid, range(7, 9)) + [done(rid, 9)])
+            rest = (await collect(ws, {rid}))[rid]
         assert_contiguous(first + rest)
         # Resuming a finished request replays it; resuming past its end says so.
         async with connect(gw.ws_url) as ws:
-            await send(ws, {"type": "resume", "id": "r1"})
-            assert_contiguous((await collect(ws, {"r1"}))["r1"])
-            await send(ws, {"type": "resume", "id": "r1", "after_seq": 9})
+            await send(ws, {"type": "resume", "id": rid})
+            assert_contiguous((await collect(ws, {rid}))[rid])
+            await send(ws, {"type": "resume", "id": rid, "after_seq": 9})
             assert (await recv(ws))["code"] == "already_finished"
-        assert not await r.exists(NAMES.cancelled("r1"))  # resumed within the grace period
+        assert not await r.exists(NAMES.cancelled(rid))  # resumed within the grace period
     await r.aclose()
 
 

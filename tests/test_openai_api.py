@@ -222,26 +222,27 @@ async def _read_sse(response: httpx.Response, count: int) -> list[tuple[str | No
 
 @pytest.mark.anyio
 async def test_last_event_id_resumes_the_exact_rest(llama_ckpt: Path, redis_url: str) -> None:
+    # The id holds `:`, the separator of its SSE ids `<request id>:<seq>`: positions are read after the last.
     body = {"model": str(llama_ckpt), "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 40,
             "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     async with running_worker(llama_ckpt, redis_url), running_gateway(config(redis_url, cancel_grace_s=60)) as gw, \
             httpx.AsyncClient(base_url=gw.url + "v1", timeout=60) as http:
-        async with http.stream("POST", "/chat/completions", json=body, headers={"X-Request-Id": "resume-me"}) as resp:
-            assert resp.headers["x-request-id"] == "resume-me"
+        async with http.stream("POST", "/chat/completions", json=body, headers={"X-Request-Id": "resume:me"}) as resp:
+            assert resp.headers["x-request-id"] == "resume:me"
             first = await _read_sse(resp, 4)  # the role chunk and 3 token chunks, then the client drops
         last_id = first[-1][0]
-        assert last_id is not None and last_id.startswith("resume-me:")
+        assert last_id is not None and last_id.startswith("resume:me:")
         # Let the worker finish meanwhile; the rest must still come, once, from the durable events.
-        await wait_for(lambda: read_events(redis_url, "resume-me")[-1:] and
-                       read_events(redis_url, "resume-me")[-1]["type"] == "done", 60)
+        await wait_for(lambda: read_events(redis_url, "resume:me")[-1:] and
+                       read_events(redis_url, "resume:me")[-1]["type"] == "done", 60)
         resp = await http.post("/chat/completions", json=body, headers={"Last-Event-ID": last_id})
         rest = sse_lines(resp.text)
-        via_get = sse_lines((await http.get("/streams/resume-me", params={"after": last_id.split(":")[1]})).text)
+        via_get = sse_lines((await http.get("/streams/resume:me", params={"after": last_id.rsplit(":", 1)[1]})).text)
     assert rest == via_get
     assert rest[-1] == (None, "[DONE]")
     chunks = [json.loads(data) for _, data in first + rest[:-1]]
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
-    events = read_events(redis_url, "resume-me")
+    events = read_events(redis_url, "resume:me")
     assert text == text_of(events)
     ids = [i for i, _ in first + rest[:-1]]
     assert len(ids) == len(set(ids))  # no chunk twice
@@ -250,7 +251,7 @@ async def test_last_event_id_resumes_the_exact_rest(llama_ckpt: Path, redis_url:
     finish_id, usage_id = ids[-2], ids[-1]
     assert finish_id == usage_id + ".0"
     async with running_gateway(config(redis_url)) as gw, httpx.AsyncClient(base_url=gw.url + "v1") as http:
-        tail = sse_lines((await http.get("/streams/resume-me", headers={"Last-Event-ID": finish_id})).text)
+        tail = sse_lines((await http.get("/streams/resume:me", headers={"Last-Event-ID": finish_id})).text)
         assert tail == [(usage_id, rest[-2][1]), (None, "[DONE]")]
         gone = await http.get("/streams/never-made")
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "unknown_request"

@@ -1,15 +1,18 @@
 """Boundaries of the serving layer that no end-to-end test reaches exactly: priority lane cutoffs on
-both sides, and the tenant charge correction when the job was charged at take time to another
-service field than its tenant's (a job routed to a worker's own stream). Real redis-server, no model."""
+both sides, the tenant charge correction when the job was charged at take time to another service
+field than its tenant's (a job routed to a worker's own stream), ids holding `:` in the client's and
+a taking-over worker's resume. Real redis-server, no model (the test writes the worker's events)."""
 
 from __future__ import annotations
 
 import pytest
 import redis.asyncio as aioredis
+from test_gateway import done, emit, tokens
 
 from clients.names import DEFAULT_LANE_RANK, Names
 from clients.protocol import decode_job, encode_job
 from clients.redis_client import AsyncClient
+from clients.resume import resume_state
 from workers.worker.accounting import Accounting
 from workers.worker.streams import CHARGE_TOKENS, NO_TENANT, StreamSet, Taken
 
@@ -87,4 +90,23 @@ async def test_a_tenant_job_from_its_own_queue_is_charged_the_difference(redis_u
     at_take = await service(r, "acme")
     await finish(r, taken)
     assert await service(r, "acme") == at_take - CHARGE_TOKENS + TOKENS
+    await r.aclose()
+
+
+COLON_ID = "team:a:1"  # ids may hold `:` (the separator of the gateway's SSE ids `<request id>:<seq>`)
+
+
+@pytest.mark.anyio
+async def test_an_id_with_colons_resumes_in_the_client_and_in_a_taking_over_worker(redis_url: str) -> None:
+    """The two resume paths outside the gateway (its /ws and SSE ones: test_gateway.py and
+    test_openai_api.py): a client's stream from a seq, and the fold a worker taking over the job reads."""
+    r = aioredis.Redis.from_url(redis_url)
+    await emit(r, COLON_ID, tokens(COLON_ID, range(0, 4)))
+    state = resume_state(await r.xrange(NAMES.events(COLON_ID)))
+    assert (state.next_seq, state.token_ids, state.finished) == (4, {0: [0, 1, 2, 3]}, False)
+    await emit(r, COLON_ID, [done(COLON_ID, 4)])
+    async with AsyncClient(redis_url) as client:
+        rest = [e async for e in client.stream(COLON_ID, after_seq=1, timeout=5, wait_for_worker=True)]
+    assert [(e["seq"], e["type"]) for e in rest] == [(2, "token"), (3, "token"), (4, "done")]
+    assert resume_state(await r.xrange(NAMES.events(COLON_ID))).finished
     await r.aclose()
