@@ -112,6 +112,17 @@ def check_complete(events: list[dict[str, Any]]) -> dict[str, Any]:
     return terminal[0]
 
 
+def has_ended(url: str, request_id: str, names: Names = NAMES) -> bool:
+    """Whether the request's last stored event is `done` or `error`. Checks nothing: a condition to
+    poll on (an assertion inside a polling loop fails when it reads before the end arrives)."""
+    client = redis.Redis.from_url(url)
+    try:
+        last = client.xrevrange(names.events(request_id), count=1)
+    finally:
+        client.close()
+    return bool(last) and decode_event(last[0][1])["type"] in ("done", "error")
+
+
 def dead_letters(url: str, names: Names = NAMES) -> list[dict[str, Any]]:
     client = redis.Redis.from_url(url)
     try:

@@ -13,7 +13,7 @@ from pathlib import Path
 import anyio
 import pytest
 import redis
-from redis_worker_helpers import check_complete, dead_letters, read_events, running_worker, wait_for
+from redis_worker_helpers import check_complete, dead_letters, has_ended, read_events, running_worker, wait_for
 
 from clients.protocol import Names
 
@@ -114,8 +114,8 @@ async def test_streamer_dead_lists_shows_requeues_and_purges(llama_ckpt: Path, r
                                       "payload_json": json.dumps(good)}).decode()
         requeued = await cli("dead", "requeue", dead_id, url=redis_url)
         assert requeued.returncode == 0 and f"requeued dead letter {dead_id} (request retry-me)" in requeued.stdout
-        await wait_for(lambda: r.exists(NAMES.events("retry-me")) and
-                       check_complete(read_events(redis_url, "retry-me"))["type"] == "done", timeout=30)
+        await wait_for(lambda: has_ended(redis_url, "retry-me"), timeout=30)
+        assert check_complete(read_events(redis_url, "retry-me"))["type"] == "done"
         assert not r.xrange(NAMES.dead, min=dead_id, max=dead_id)
 
         purged = await cli("dead", "purge", "1d", url=redis_url)
