@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -10,7 +9,10 @@ from streamer_kernels.cpu_extension import load as cpu_kernels
 from streamer_kernels.elementwise_cpu import argmax_cpu
 
 from streamer.grammar import apply_masks
+from streamer.penalties import apply_penalties, penalised_row
+from streamer.random_stream import counter_uniforms, generator_uniforms
 from streamer.request import Sequence
+from streamer.top_k_top_p import NUCLEUS_CANDIDATES, Rules, candidates
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -28,18 +30,11 @@ class SamplerOutput:
     beam_logprobs: list[torch.Tensor | None]  # full next-token log-probs, for beam-search rows
 
 
-def _derived_seed(seed: int, index: int, position: int) -> int:
-    """A seed per (request seed, sample, output position), so a request resumed elsewhere, or
-    batched differently, draws exactly the same tokens. Sample i of a request seeded s draws
-    what a single-sample request seeded s + i draws."""
-    digest = hashlib.blake2b(f"{seed + index}:{position}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
 class Sampler:
-    def __init__(self, eos_token_ids: set[int], seed: int) -> None:
+    def __init__(self, eos_token_ids: set[int], seed: int, nucleus_candidates: int = NUCLEUS_CANDIDATES) -> None:
         self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator().manual_seed(seed)
+        self.nucleus_candidates = nucleus_candidates
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """`logits` `[N, V]` (any float dtype), one row per sequence that samples this step."""
@@ -50,20 +45,49 @@ class Sampler:
             apply_masks(raw, constrained, [seqs[i].grammar for i in constrained])  # type: ignore[misc]
         # Copied only for rows to penalise: `raw` also gives the logprobs, unpenalised (the copy of
         # 32 x 32k floats, 0.25 ms, was a third of a greedy step's sampling).
-        penalised = self._apply_penalties(raw.clone(), seqs) if any(map(self._penalised, seqs)) else raw
-        tokens = argmax(penalised)
+        penalised = apply_penalties(raw.clone(), seqs, self.eos_token_ids) if any(map(penalised_row, seqs)) else raw
         greedy = [s.params.greedy for s in seqs]
-        if not all(greedy):
-            sampled = self._draw(self._warp(penalised, seqs), seqs)
-            tokens = torch.where(torch.tensor(greedy, device=tokens.device), tokens, sampled)
+        if all(greedy):
+            tokens = argmax(penalised)
+        else:
+            tokens = self._sample(penalised, seqs)
+            if any(greedy):
+                rows = torch.tensor([i for i, g in enumerate(greedy) if g], device=tokens.device)
+                tokens[rows] = argmax(penalised[rows])
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self._logprobs(raw, seqs, token_list), self._beam_logprobs(raw, seqs))
 
     def probabilities(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The distribution each row's next token is drawn from (`[N, V]`, rows sum to 1): what
-        `__call__` samples from for non-greedy rows. Exposed so tests can hold it against an
-        independent reference."""
-        return self._warp(self._apply_penalties(logits.float().clone(), seqs), seqs)
+        `__call__` samples from for non-greedy rows, from the same candidate groups. Exposed so
+        tests can hold it against an independent reference."""
+        penalised = apply_penalties(logits.float().clone(), seqs, self.eos_token_ids)
+        probs = torch.empty_like(penalised)
+        for group in candidates(penalised, _rules(seqs, penalised), self.nucleus_candidates):
+            probs[group.rows] = group.dense(penalised.shape[1])
+        return probs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """A token for every row (greedy rows are overwritten by the caller), drawn by inverse CDF
+        from one uniform per row."""
+        uniforms = self._uniforms(seqs, logits.device)
+        tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        for group in candidates(logits, _rules(seqs, logits), self.nucleus_candidates):
+            tokens[group.rows] = group.draw(uniforms[group.rows])
+        return tokens
+
+    def _uniforms(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+        """Unseeded rows draw from the sampler's generator (seeded by the engine seed); a seeded
+        row's draw is a function of (seed + sample index, output position) only, so sample i of
+        seed s draws what a single-sample request seeded s + i draws, however it is batched or
+        wherever it is resumed."""
+        uniforms = generator_uniforms(len(seqs), self.generator, device)
+        seeded = [i for i, s in enumerate(seqs) if s.params.seed is not None]
+        if seeded:
+            keys = [seqs[i].params.seed + seqs[i].index for i in seeded]  # type: ignore[operator]
+            positions = [seqs[i].num_output_tokens for i in seeded]
+            uniforms[torch.tensor(seeded, device=device)] = counter_uniforms(keys, positions, device)
+        return uniforms
 
     @staticmethod
     def _beam_logprobs(raw: torch.Tensor, seqs: list[Sequence]) -> list[torch.Tensor | None]:
@@ -74,60 +98,6 @@ class Sampler:
             for j, row in enumerate(rows):
                 result[row] = logprobs[j]
         return result
-
-    @staticmethod
-    def _penalised(seq: Sequence) -> bool:
-        """Whether `_apply_penalties` changes this sequence's row."""
-        p = seq.params
-        return (seq.num_output_tokens < p.min_tokens or p.repetition_penalty != 1.0 or bool(p.presence_penalty)
-                or bool(p.frequency_penalty))
-
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        for row, seq in enumerate(seqs):
-            p = seq.params
-            if seq.num_output_tokens < p.min_tokens:
-                stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
-                if stops:
-                    logits[row, stops] = float("-inf")
-            if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
-                vals = logits[row, seen]
-                logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
-                                                vals * p.repetition_penalty)
-            if p.presence_penalty or p.frequency_penalty:
-                out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
-                counts = torch.bincount(out, minlength=logits.shape[1])[: logits.shape[1]].float()
-                logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
-        return logits
-
-    @staticmethod
-    def _warp(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Penalised logits -> probabilities: temperature, then min-p, top-k and top-p."""
-        device = logits.device
-        vocab = logits.shape[1]
-        temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=device)
-        probs = torch.softmax(logits / temps[:, None], dim=-1)
-        min_p = torch.tensor([s.params.min_p for s in seqs], device=device)
-        if bool((min_p > 0).any()):
-            threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        top_k = [min(s.params.top_k, vocab) if s.params.top_k > 0 else vocab for s in seqs]  # any size is valid
-        top_p = [s.params.top_p for s in seqs]
-        if min(top_k) < vocab or min(top_p) < 1.0:
-            probs = _top_k_top_p(probs, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device))
-        return probs / probs.sum(dim=-1, keepdim=True)
-
-    def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        noise = torch.empty_like(probs)
-        for row, seq in enumerate(seqs):
-            if seq.params.seed is None:
-                noise[row].exponential_(generator=self.generator)
-            else:
-                gen = torch.Generator(device=probs.device).manual_seed(
-                    _derived_seed(seq.params.seed, seq.index, seq.num_output_tokens))
-                noise[row].exponential_(generator=gen)
-        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p.
-        return argmax(probs / noise)
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[dict[int, float] | None]:
@@ -149,15 +119,14 @@ class Sampler:
         return result
 
 
-def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Zero out tokens outside each row's top-k and outside its top-p nucleus."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    ranks = torch.arange(probs.shape[1], device=probs.device)[None, :]
-    keep = ranks < top_k[:, None]
-    sorted_probs = sorted_probs.masked_fill(~keep, 0.0)
-    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
-    # Keep a token if the mass strictly before it is below top_p (the top token always stays).
-    cumulative = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep &= cumulative < top_p[:, None]
-    sorted_probs = sorted_probs.masked_fill(~keep, 0.0)
-    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+
+def _rules(seqs: list[Sequence], logits: torch.Tensor) -> Rules:
+    vocab = logits.shape[1]
+    device = logits.device
+    params = [s.params for s in seqs]
+    return Rules(
+        temperature=torch.tensor([p.temperature or 1.0 for p in params], device=device),
+        top_k=torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device),
+        top_p=torch.tensor([p.top_p for p in params], device=device),
+        min_p=torch.tensor([p.min_p for p in params], device=device),
+    )

@@ -349,3 +349,55 @@ def test_the_default_device_does_not_matter() -> None:
         if w is not None:
             assert g is not None and g.device == w.device and torch.equal(g, w)
     assert got_probs.device == want_probs.device and torch.equal(got_probs, want_probs)
+
+
+NARROW = {
+    "top_p 0.3": SamplingParams(top_p=0.3),
+    "top_p 0.9 temperature 1.3": SamplingParams(temperature=1.3, top_p=0.9),
+    "min_p 0.05": SamplingParams(min_p=0.05),
+    "min_p 0.002 top_p 0.95": SamplingParams(min_p=0.002, top_p=0.95),
+    "top_k 20 top_p 0.8": SamplingParams(top_k=20, top_p=0.8),
+}
+
+
+@pytest.mark.parametrize("width", [1, 3, 8, VOCAB])
+@pytest.mark.parametrize("name", list(NARROW))
+def test_nucleus_wider_or_narrower_than_the_candidates(name: str, width: int) -> None:
+    """Rows without a top-k first look for their nucleus among `width` candidates; where it
+    reaches further they are selected whole. Either way the distribution is the reference's."""
+    params = NARROW[name]
+    sampler = Sampler({EOS}, seed=0, nucleus_candidates=width)
+    logits = torch.cat([random_logits(seed, scale=s) for seed in range(3) for s in (0.3, 3.0, 8.0)])
+    got = sampler.probabilities(logits, [make_seq(params) for _ in range(len(logits))])
+    for row in range(len(logits)):
+        want = reference_probs(logits[row], params)
+        torch.testing.assert_close(got[row], want, atol=1e-6, rtol=0, msg=f"row {row}")
+        assert ((got[row] > 0) == (want > 0)).all(), "the supports differ"
+
+
+@pytest.mark.parametrize("name", ["top_p 0.9 temperature 1.3", "min_p 0.002 top_p 0.95"])
+def test_draws_past_narrow_candidates_follow_the_reference(name: str) -> None:
+    params = NARROW[name]
+    logits = random_logits(5, scale=1.5)
+    seqs = [make_seq(replace(params, seed=1000 + i)) for i in range(6000)]
+    tokens = Sampler({EOS}, seed=42, nucleus_candidates=3)(logits.expand(6000, VOCAB), seqs).token_ids
+    assert_frequencies_match(torch.bincount(torch.tensor(tokens), minlength=VOCAB), reference_probs(logits[0], params))
+
+
+def test_a_seeded_row_draws_the_same_in_any_batch() -> None:
+    """The same seeded row alone and beside rows that widen its candidate selection (a larger
+    top-k, rows without a top-k, greedy and unseeded rows) draws the same token at every position."""
+    logits = random_logits(31, rows=6, scale=0.7)
+    row = SamplingParams(temperature=0.9, top_k=7, top_p=0.9, min_p=0.01, seed=5)
+    others = [SamplingParams(top_k=30), SamplingParams(top_p=0.5), SamplingParams(temperature=0.0),
+              SamplingParams(), SamplingParams(min_p=0.2, seed=9)]
+    sampler = Sampler({EOS}, seed=0, nucleus_candidates=4)
+    drawn = set()
+    for k in range(len(OUTPUT) + 1):
+        alone = sampler(logits[0:1], [make_seq(row, output=OUTPUT[:k])]).token_ids[0]
+        batch = [make_seq(p, output=OUTPUT[:k]) for p in others[:2]] + [make_seq(row, output=OUTPUT[:k])]
+        batch += [make_seq(p, output=OUTPUT[:k]) for p in others[2:]]
+        mixed = sampler(torch.cat([logits[1:3], logits[0:1], logits[3:]]), batch).token_ids[2]
+        assert mixed == alone, f"position {k}"
+        drawn.add(alone)
+    assert len(drawn) > 1, "every position drew the same token: the test shows nothing"
