@@ -227,7 +227,8 @@ async def test_last_event_id_resumes_the_exact_rest(llama_ckpt: Path, redis_url:
             "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     async with running_worker(llama_ckpt, redis_url), running_gateway(config(redis_url, cancel_grace_s=60)) as gw, \
             httpx.AsyncClient(base_url=gw.url + "v1", timeout=60) as http:
-        async with http.stream("POST", "/chat/completions", json=body, headers={"X-Request-Id": "resume:me"}) as resp:
+        async with http.stream("POST", "/chat/completions", json=body,
+                               headers={"X-Request-Id": "resume:me", "X-Resumable-Stream": "true"}) as resp:
             assert resp.headers["x-request-id"] == "resume:me"
             first = await _read_sse(resp, 4)  # the role chunk and 3 token chunks, then the client drops
         last_id = first[-1][0]
@@ -255,6 +256,54 @@ async def test_last_event_id_resumes_the_exact_rest(llama_ckpt: Path, redis_url:
         assert tail == [(usage_id, rest[-2][1]), (None, "[DONE]")]
         gone = await http.get("/streams/never-made")
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "unknown_request"
+
+
+async def data_only_reader(http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> tuple[list[Any], list[float]]:
+    """How vLLM's benchmark client and most hand-written readers parse a stream: each message
+    stripped, `data: ` removed, everything but `[DONE]` JSON. Returns the chunks and the time each
+    arrived, from the request."""
+    chunks, times = [], []
+    start = asyncio.get_running_loop().time()
+    async with http.stream("POST", path, json=body) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        async for message in resp.aiter_lines():
+            message = message.strip()
+            if not message:
+                continue
+            data = message.removeprefix("data: ")
+            if data == "[DONE]":
+                break
+            chunks.append(json.loads(data))
+            times.append(asyncio.get_running_loop().time() - start)
+    return chunks, times
+
+
+@pytest.mark.anyio
+async def test_default_streams_are_openai_shaped_for_every_reader(llama_ckpt: Path, redis_url: str) -> None:
+    """No comment and no `id:` lines unless asked for: the raw body is `data:` messages and
+    `data: [DONE]` only; the SDK, a data-only reader and the resumable form carry the same text,
+    and tokens arrive one by one (a first token well before the last)."""
+    model = str(llama_ckpt)
+    body = {"model": model, "prompt": "count", "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}
+    async with running_worker(llama_ckpt, redis_url), running_gateway(config(redis_url)) as gw, sdk(gw) as client, \
+            httpx.AsyncClient(base_url=gw.url + "v1", timeout=60) as http:
+        raw = (await http.post("/completions", json=body)).text
+        chunks, times = await data_only_reader(http, "/completions", body)
+        via_sdk = "".join([c.choices[0].text async for c in await client.completions.create(
+            model=model, prompt="count", max_tokens=60, temperature=0, stream=True, extra_body={"ignore_eos": True})])
+        resumable = (await http.post("/completions", json=body, headers={"X-Resumable-Stream": "true"})).text
+        chat, _ = await data_only_reader(http, "/chat/completions", {
+            **{k: v for k, v in body.items() if k != "prompt"}, "messages": [{"role": "user", "content": "hi"}]})
+    messages = raw.split("\n\n")
+    assert messages[-2:] == ["data: [DONE]", ""]
+    assert all(m.startswith("data: ") and "\n" not in m for m in messages[:-1]), raw[:300]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert text == via_sdk and len(chunks) >= 60
+    assert times[0] < times[-1] - 0.05, "the tokens came in one lump at the end"
+    assert resumable.startswith(": streamer\n\nid: ")
+    assert [d for _, d in sse_lines(resumable)][:-1] != [] and all(i for i, _ in sse_lines(resumable)[:-1])
+    assert "".join(json.loads(d)["choices"][0]["text"] for _, d in sse_lines(resumable)[:-1]) == text
+    assert chat[0]["choices"][0]["delta"]["role"] == "assistant" and chat[-1]["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.mark.anyio

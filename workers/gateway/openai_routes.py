@@ -148,7 +148,7 @@ class OpenAIRoutes:
         except RateLimited as e:
             raise rate_limit_error(e) from e
         if req.stream:
-            return self._sse(request, meta, stream, Position.start(), fresh=True)
+            return self._sse(request, meta, stream, Position.start(), fresh=True, resumable=_wants_resumable(request))
         return await self._whole(request, meta, stream)
 
     async def _json_body(self, request: Request) -> Any:
@@ -233,12 +233,13 @@ class OpenAIRoutes:
 
     # --- answers -----------------------------------------------------------------------------------
 
-    def _sse(self, request: Request, meta: StreamMeta, stream: JobStream, after: Position, fresh: bool) -> Response:
+    def _sse(self, request: Request, meta: StreamMeta, stream: JobStream, after: Position, fresh: bool,
+             resumable: bool) -> Response:
         async def body() -> AsyncIterator[str]:
             open_streams = self.gw.metrics.open_connections("sse")
             open_streams.inc()
             try:
-                async for text in sse_events(stream.relayed(), Assembler(meta), meta, after, fresh):
+                async for text in sse_events(stream.relayed(), Assembler(meta), meta, after, fresh, resumable):
                     yield text
             finally:  # finished, or the client went away (Starlette cancels the body on disconnect)
                 open_streams.dec()
@@ -299,7 +300,13 @@ class OpenAIRoutes:
         except BaseException:
             stream.close(cancel=True)
             raise
-        return self._sse(request, meta, stream, position, fresh=False)
+        return self._sse(request, meta, stream, position, fresh=False, resumable=True)
+
+
+def _wants_resumable(request: Request) -> bool:
+    """A stream with `id:` lines only for a client that asks: OpenAI's own has none, and readers
+    that take every message for `data:` fail on them."""
+    return request.headers.get("x-resumable-stream", "").strip().lower() in ("1", "true", "yes")
 
 
 def _session(request: Request, req: OpenAIRequest) -> str | None:

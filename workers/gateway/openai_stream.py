@@ -1,5 +1,11 @@
 """Server-Sent Events framing of an OpenAI stream, with positions a client can resume from.
 
+By default a stream is byte for byte in OpenAI's shape: `data: {...}` messages and `data: [DONE]`,
+nothing else, since many readers (vLLM's benchmark client among them) treat every message as
+`data:` only. A client that asks for a resumable stream (header `X-Resumable-Stream: true`, or a
+resume) gets the same messages with an `id:` line each and an opening comment that starts the
+response before the first token.
+
 Each worker event makes one or more chunks (a `done` makes one per sample, plus the usage chunk at the
 end). The last chunk of event `seq` has the SSE id `<request id>:<seq>`; the ones before it
 `<request id>:<seq>.<k>` (chunk k of that event). A chat stream's opening role chunks belong to event
@@ -45,27 +51,29 @@ class Position:
         return position
 
 
-def _frame(request_id: str, seq: int, k: int, count: int, chunk: dict[str, Any]) -> str:
+def _frame(request_id: str | None, seq: int, k: int, count: int, chunk: dict[str, Any]) -> str:
+    if request_id is None:
+        return f"data: {_ENCODER.encode(chunk)}\n\n"
     sse_id = f"{request_id}:{seq}" if k == count - 1 else f"{request_id}:{seq}.{k}"
     return f"id: {sse_id}\ndata: {_ENCODER.encode(chunk)}\n\n"
 
 
-def _framed(request_id: str, seq: int, chunks: list[dict[str, Any]], after: Position) -> list[str]:
+def _framed(request_id: str | None, seq: int, chunks: list[dict[str, Any]], after: Position) -> list[str]:
     count = len(chunks)
     return [_frame(request_id, seq, k, count, c) for k, c in enumerate(chunks)
             if Position(seq, k if k < count - 1 else _WHOLE) > after]
 
 
 async def sse_events(events: AsyncIterator[tuple[int, dict[str, Any]]], assembler: Assembler, meta: StreamMeta,
-                     after: Position, fresh: bool) -> AsyncIterator[str]:
-    """SSE text for the chunks after `after`, then `data: [DONE]`."""
-    if fresh:
+                     after: Position, fresh: bool, resumable: bool) -> AsyncIterator[str]:
+    """SSE text for the chunks after `after`, then `data: [DONE]`; `id:` lines only if `resumable`."""
+    if fresh and resumable:
         yield ": streamer\n\n"  # the response starts at once, before the first token (a comment line)
-    for text in _framed(meta.request_id, -1, assembler.start_chunks(), after):
+    for text in _framed(meta.request_id if resumable else None, -1, assembler.start_chunks(), after):
         yield text
     async for job, event in events:
         seq = int(event.get("seq", 0))
-        sse_rid = meta.jobs[job] if len(meta.jobs) > 1 else meta.request_id
+        sse_rid = None if not resumable else meta.jobs[job] if len(meta.jobs) > 1 else meta.request_id
         for text in _framed(sse_rid, seq, assembler.on_event(job, event), after):
             yield text
         if assembler.error is not None:
