@@ -64,7 +64,8 @@ def test_help_does_not_import_the_engine() -> None:
             "try: main(['--help'])\nexcept SystemExit: pass\n"
             "assert not any(m == 'torch' or m.startswith('workers.worker') for m in sys.modules), "
             "sorted(m for m in sys.modules if 'torch' in m or 'worker' in m)")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_unknown_command_is_a_usage_error() -> None:
