@@ -39,9 +39,11 @@ from bench.mutation_report import (  # noqa: E402
     check,
     counts,
     diagnose,
+    doc_row,
     score,
     survivors,
     table,
+    write_doc,
 )
 
 WORK = ROOT / "mutants"  # one scratch tree per module: mutants/<module>/ (its own mutants/ inside)
@@ -80,9 +82,10 @@ TARGETS: dict[str, Target] = {
     # Text, stop strings and deltas on the engine's output side.
     "output_processor": Target("streamer/output_processor.py", (
         "tests/test_output_processor.py", "tests/test_detokeniz*.py", "tests/test_stop*.py", "tests/test_sampling.py",
-        "tests/test_logprobs.py", "tests/test_engine_boundaries.py", "tests/test_beam_search.py")),
-    "sampler": Target("streamer/sampler.py", ("tests/test_sampler_reference.py", "tests/test_sampling.py",
-                                               "tests/test_logprobs.py")),
+        "tests/test_logprobs.py", "tests/test_engine_boundaries.py", "tests/test_beam_search.py",
+        "tests/test_fault_isolation.py")),  # a failed request's held-back text and final output
+    "sampler": Target("streamer/sampler.py", ("tests/test_sampler_rules.py", "tests/test_sampler_reference.py",
+                                               "tests/test_sampling.py", "tests/test_logprobs.py")),
     "detokenizer": Target("streamer/detokenizer.py", ("tests/test_detokeniz*.py", "tests/test_sampling.py")),
     "stop_checker": Target("streamer/stop_checker.py", ("tests/test_stop*.py", "tests/test_sampling.py",
                                                          "tests/test_engine_boundaries.py",
@@ -99,7 +102,28 @@ TARGETS: dict[str, Target] = {
     # files call it for every job, and under the fork server a mutant's tests run in no set order: a
     # worker test that goes first waits out its own timeouts (the mutant then ends as a "timeout" and
     # leaves its redis-server behind) where the fold's own test fails in a millisecond.
-    "resume": Target("clients/resume.py", ("tests/test_protocol.py",)),
+    "resume": Target("clients/resume.py", ("tests/test_protocol.py", "tests/test_serving_boundaries.py")),
+    # --- the serving layer (issue 43). Unit-level files first in each list: a broken mutant fails
+    # there in milliseconds; the worker/gateway files that follow run real processes (seconds).
+    # Stream names, lanes and their cutoffs: pure, plus a submit at a cutoff against Redis.
+    "names": Target("clients/names.py", ("tests/test_protocol.py", "tests/test_serving_boundaries.py",
+                                         "tests/test_routing.py")),
+    # The routing decision (pure functions) and the take script that charges tenants.
+    "routing": Target("clients/routing.py", ("tests/test_routing.py", "tests/test_serving_boundaries.py")),
+    "accounting": Target("workers/worker/accounting.py", ("tests/test_routing.py", "tests/test_serving_boundaries.py",
+                                                          "tests/test_gateway_tenants.py")),
+    "streams": Target("workers/worker/streams.py", ("tests/test_serving_boundaries.py",
+                                                    "tests/test_worker_deliveries.py")),
+    # A job's life in the worker: deliveries, dead letters, bad jobs, its answer.
+    "job": Target("workers/worker/job.py", ("tests/test_worker_deliveries.py", "tests/test_worker_bad_input.py",
+                                            "tests/test_dead_letters.py")),
+    "intake": Target("workers/worker/intake.py", ("tests/test_worker_deliveries.py", "tests/test_worker_bad_input.py")),
+    "reclaim": Target("workers/worker/reclaim.py", ("tests/test_worker_deliveries.py", "tests/test_bounded_redis.py")),
+    # The gateway, with the worker's side played by the tests (no model) except test_openai_api.py.
+    "admission": Target("workers/gateway/admission.py", ("tests/test_gateway_limits.py",)),
+    "tenants": Target("workers/gateway/tenants.py", ("tests/test_gateway_tenants.py",)),
+    "session": Target("workers/gateway/session.py", ("tests/test_gateway.py", "tests/test_gateway_limits.py")),
+    "openai_routes": Target("workers/gateway/openai_routes.py", ("tests/test_openai_api.py",)),
 }
 
 
@@ -219,6 +243,8 @@ def run_locked(name: str, args: argparse.Namespace) -> tuple[dict[str, int] | No
     with open(log, "w") as out:
         returncode = run_mutmut_session(work, args, out)
     elapsed = time.monotonic() - start
+    # What --write-doc needs later (also with --no-run): which commit this run mutated, and how long it took.
+    (work / "run.json").write_text(json.dumps({"commit": args.rev, "elapsed": elapsed, "jobs": args.jobs}))
     c = counts(work)
     if returncode != 0 or c is None:
         print(f"   mutmut failed (exit {returncode}) after {elapsed:.0f} s: see {log.relative_to(ROOT)}",
@@ -256,6 +282,9 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
                         help="run the module's tests on this mutant of its last run (a name from --survivors "
                              "or `mutmut results`), with pytest's output")
     parser.add_argument("--list", action="store_true", help="print the modules and their test selections")
+    parser.add_argument("--write-doc", action="store_true",
+                        help="write each module's last result (a run with --rev) into docs/testing.md's table: "
+                             "replaces that module's row of the same commit, else adds one")
     parser.add_argument("-v", "--verbose", action="store_true", help="show mutmut's own output")
     args = parser.parse_args()
     names = []
@@ -286,6 +315,21 @@ def ready_to_run(args: argparse.Namespace) -> None:
                  "then remove it:\n  " + "\n  ".join(map(str, stale)))
 
 
+def documented(names: list[str]) -> list[tuple[str, str]]:
+    """docs/testing.md's rows for the last run of each module that has a result of a named commit."""
+    rows = []
+    for name in names:
+        work, c = WORK / name, counts(WORK / name)
+        meta = json.loads((work / "run.json").read_text()) if (work / "run.json").exists() else {}
+        if c is None or not meta.get("commit") or c["not checked"]:
+            print(f"   {name}: not written (no finished run of a commit: run it with --rev)")
+            continue
+        note = "" if meta.get("jobs", 2) == 2 else f"`--jobs {meta['jobs']}`"
+        rows.append((TARGETS[name].path, doc_row(TARGETS[name].path, meta["commit"], c, meta["elapsed"], note)))
+    write_doc(ROOT / "docs" / "testing.md", [row for _, row in rows])
+    return rows
+
+
 def main() -> None:
     args, names = parse_args()
     if args.list:
@@ -300,6 +344,9 @@ def main() -> None:
     rows = [(name, counts(WORK / name), None) if args.no_run else (name, *run(name, args)) for name in names]
     print()
     print(table(rows))
+    if args.write_doc:
+        written = documented(names)
+        print(f"docs/testing.md: {len(written)} row(s) written" + "".join(f"\n{row}" for _, row in written))
     if args.survivors:
         for name, c, _ in rows:
             if c is not None:

@@ -63,6 +63,40 @@ def table(rows: list[tuple[str, dict[str, int] | None, float | None]]) -> str:
     return "\n".join(lines)
 
 
+# docs/testing.md's table of scores: its rows are written by `bench/mutation.py --write-doc`, never by hand.
+DOC_HEADING = "### Mutation score per module"
+
+
+def doc_row(path: str, commit: str, c: dict[str, int], elapsed: float, note: str = "") -> str:
+    """One row of the docs table: module, commit, the counts, the score, wall time (per mutant)."""
+    s = score(c)
+    shown = "-" if s is None else f"{s:.1f}%".replace(".0%", "%")
+    shown = f"**{shown}**" if s is not None and s >= 90.0 else shown
+    per = f"{elapsed / c['mutants']:.1f} s" if c["mutants"] else "-"
+    wall = f"{elapsed / 60:.1f} min ({per}{'; ' + note if note else ''})"
+    cells = [f"`{path}`", f"`{commit[:7]}`", *(str(c[k]) for k in ("mutants", "killed", "survived", "no tests",
+                                                                      "timeout")), shown, wall]
+    return "| " + " | ".join(cells) + " |"
+
+
+def write_doc(doc: Path, rows: list[str]) -> None:
+    """Put each row into the table under DOC_HEADING: in place of the row of the same
+    module and commit, else after the table's last row."""
+    lines = doc.read_text().split("\n")
+    head = next(i for i, line in enumerate(lines) if line.strip() == DOC_HEADING)
+    first = next(i for i in range(head, len(lines)) if lines[i].startswith("| Module |"))
+    end = next((i for i in range(first, len(lines)) if not lines[i].startswith("|")), len(lines))
+    for row in rows:
+        key = row.split(" | ")[:2]  # "| `module`", "`commit`"
+        same = [i for i in range(first + 2, end) if lines[i].split(" | ")[:2] == key]
+        if same:
+            lines[same[0]] = row
+        else:
+            lines.insert(end, row)
+            end += 1
+    doc.write_text("\n".join(lines))
+
+
 def survivors(name: str, work: Path, path: str) -> None:
     """Every mutant of the last run in `work` that no test failed on, as a diff against the real source."""
     res = run_mutmut(work, "results", capture_output=True, text=True)
