@@ -9,7 +9,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import logging
-import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from streamer_kernels.cpu_features import cpu_signature_text
 
 log = logging.getLogger("streamer.kernels")
 _CSRC = Path(__file__).with_name("csrc")
@@ -28,11 +28,7 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 def _cpu_signature() -> str:
     """Built with -march=native, so a build cache must never be shared across CPU models; and per
     source path, since the build files name it (two checkouts sharing one would rebuild in turn)."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    key = flags + torch.__version__ + " ".join(_CFLAGS)
+    key = cpu_signature_text() + torch.__version__ + " ".join(_CFLAGS)
     key += "".join(header.read_text() for header in sorted(_CSRC.glob("*.h")))
     for source in _SOURCES:
         key += source.read_text() + str(source.resolve())

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from streamer_kernels.cpu_features import fast_bfloat16
 
 from streamer.architectures import SUPPORTED_ARCHITECTURES
 from streamer.errors import ConfigError
@@ -64,8 +65,8 @@ class ModelConfig:
 def _resolve_dtype(name: str | None, hf: Any, device: torch.device) -> torch.dtype:
     if name not in (None, "auto"):
         return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32  # half precision is slower than float32 on most CPUs
+    if device.type == "cpu":  # bfloat16 only where the CPU multiplies it in hardware, as vLLM's CPU build
+        return torch.bfloat16 if fast_bfloat16() else torch.float32
     stored = getattr(hf, "torch_dtype", None) or getattr(hf, "dtype", None)
     stored = str(stored).replace("torch.", "") if stored is not None else "bfloat16"
     return _DTYPES.get(stored, torch.bfloat16) if stored != "float32" else torch.bfloat16

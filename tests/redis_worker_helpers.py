@@ -21,7 +21,8 @@ from workers.worker.redis_worker import Worker
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = Names()
-ENGINE = {"num_kv_blocks": 128, "block_size": 16, "max_num_seqs": 32}
+# float32: the answers are held against transformers in float32 (the CPU default may be bfloat16).
+ENGINE = {"dtype": "float32", "num_kv_blocks": 128, "block_size": 16, "max_num_seqs": 32}
 
 
 def long_context_checkpoint(directory: Path) -> Path:
@@ -57,7 +58,7 @@ def worker_process(ckpt: Path, redis_url: str, *extra: str, log_path: Path | Non
     """`streamer worker` as a real child process (`program`: what python runs instead of the CLI)."""
     args = [sys.executable, *program, "worker", "--model", str(ckpt), "--redis", redis_url,
             "--num-kv-blocks", str(ENGINE["num_kv_blocks"]), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
-            *extra]
+            "--dtype", ENGINE["dtype"], *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if log_path is None:
         return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env)

@@ -56,7 +56,7 @@ def test_a_damaged_cache_entry_is_resolved_again(tmp_path: Path, cache: Path) ->
 ENGINE = """
 import json, sys
 from streamer import EngineConfig, LLMEngine, SamplingParams
-engine = LLMEngine(EngineConfig(model=sys.argv[1], num_kv_blocks=64))
+engine = LLMEngine(EngineConfig(model=sys.argv[1], dtype="float32", num_kv_blocks=64))
 engine.add_request("r", "hello world", SamplingParams(max_tokens=8, temperature=0.0))
 tokens = []
 while engine.has_unfinished_requests():

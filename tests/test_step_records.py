@@ -9,7 +9,7 @@ from streamer import EngineConfig, LLMEngine, SamplingParams
 
 
 def test_each_step_is_recorded_once_with_its_tokens_and_times(llama_ckpt: Path) -> None:
-    engine = LLMEngine(EngineConfig(model=str(llama_ckpt), num_kv_blocks=64, max_num_batched_tokens=16))
+    engine = LLMEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16))
     engine.add_request("a", {"prompt_token_ids": list(range(3, 43))}, SamplingParams(max_tokens=3, ignore_eos=True))
     outputs = []
     while engine.has_unfinished_requests():
@@ -34,7 +34,7 @@ def test_each_step_is_recorded_once_with_its_tokens_and_times(llama_ckpt: Path) 
 def test_a_reader_that_stops_taking_loses_only_the_oldest(llama_ckpt: Path) -> None:
     from streamer import llm_engine
 
-    engine = LLMEngine(EngineConfig(model=str(llama_ckpt), num_kv_blocks=64))
+    engine = LLMEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", num_kv_blocks=64))
     engine.step_records = llm_engine.deque(maxlen=3)
     engine.add_request("b", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=6, ignore_eos=True))
     while engine.has_unfinished_requests():

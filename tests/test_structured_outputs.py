@@ -101,7 +101,7 @@ def _loads(text: str) -> Any:
 
 @pytest.fixture(scope="module")
 def engine(llama_ckpt: Path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(llama_ckpt), num_kv_blocks=512, max_num_seqs=64))
+    return LLMEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", num_kv_blocks=512, max_num_seqs=64))
 
 
 def run(engine: LLMEngine, requests: dict[str, SamplingParams], prompt: Any = "Write it:") -> dict[str, list]:

@@ -131,7 +131,7 @@ def test_greedy_tokens_match_one_device_and_transformers(request, ckpt_name, tp)
 
 @pytest.mark.anyio
 async def test_killed_rank_ends_the_engine_with_an_error_and_no_process_left(llama_ckpt):
-    config = EngineConfig(model=str(llama_ckpt), tensor_parallel_size=2, num_kv_blocks=64)
+    config = EngineConfig(model=str(llama_ckpt), dtype="float32", tensor_parallel_size=2, num_kv_blocks=64)
     engine = AsyncEngine(config)
     pids = engine.engine.runner.pids
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)

@@ -81,7 +81,7 @@ def with_template(src: Path, dst: Path, template: str) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(llama_ckpt: Path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(llama_ckpt), num_kv_blocks=1024, max_num_seqs=64))
+    return LLMEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", num_kv_blocks=1024, max_num_seqs=64))
 
 
 @pytest.fixture(scope="module")

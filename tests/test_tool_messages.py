@@ -77,7 +77,7 @@ def expected_ids(ckpt: Path) -> list[int]:
 
 
 def test_the_engine_renders_tools_and_tool_turns_as_transformers_does(tool_ckpt: Path) -> None:
-    engine = LLMEngine(EngineConfig(model=str(tool_ckpt), num_kv_blocks=64))
+    engine = LLMEngine(EngineConfig(model=str(tool_ckpt), dtype="float32", num_kv_blocks=64))
     messages = decode_job(encode_job({"id": "x", "messages": MESSAGES, "tools": TOOLS})).messages
     assert engine.render_chat(messages, TOOLS) == expected_ids(tool_ckpt)
     # Without tools the template leaves the system turn out.

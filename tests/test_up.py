@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from streamer_kernels.cpu_features import fast_bfloat16
 
 from workers.allocator import find_tcmalloc
 from workers.default_model import ensure_default_model
@@ -183,7 +184,9 @@ def test_up_serves_the_real_model_and_ctrl_c_stops_everything(cpu_kernels: None,
         out = up.text()
         for phase in ("redis", "model", "worker", "gateway"):
             assert re.search(rf"{phase} ready in \d+\.\ds", out), out
-        assert re.search(r"^      on cpu$", out, re.M), out
+        # The CPU's default dtype: bfloat16 where it multiplies bfloat16 in hardware.
+        dtype = "bfloat16" if fast_bfloat16() else "float32"
+        assert re.search(rf"^      on cpu, {dtype}$", out, re.M), out
         assert f"chat page:  http://127.0.0.1:{port}/" in out
         pids = children_of(up.proc.pid)
         assert len(pids) == 3, (pids, out)  # redis-server, worker, gateway

@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=port_number, default=8000, help="gateway port (0: any free port)")
     parser.add_argument("--device", default=None, help="device for the worker: cpu, cuda or cuda:N "
                                                        "(default: CUDA if available, else CPU)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="the worker's weights and compute (default: the checkpoint's on GPU; on CPU "
+                             "bfloat16 where it has AVX-512 BF16 or AMX, else float32)")
     parser.add_argument("--metrics-port", type=optional_port, default=0,
                         help="the worker serves Prometheus metrics on this port (vLLM's names; 0: off)")
     parser.add_argument("--startup-timeout", type=float, default=900.0,
@@ -81,12 +84,13 @@ def worker_names(url: str, prefix: str) -> set[str]:
 
 
 def worker_device(url: str, prefix: str, name: str) -> str:
-    """The device a live worker runs on (its heartbeat's stats hash), "" when not known."""
+    """The device and dtype a live worker runs on (its heartbeat's stats hash), "cpu, bfloat16";
+    "" when not known."""
     cluster = check_redis(url)
     client = sync_client(url, cluster=cluster)
     try:
-        device = client.hget(Names(prefix=prefix, cluster=cluster).worker(name), "device")
-        return device.decode() if device else ""
+        device, dtype = client.hmget(Names(prefix=prefix, cluster=cluster).worker(name), ["device", "dtype"])
+        return ", ".join(v.decode() for v in (device, dtype) if v)
     finally:
         client.close()
 
@@ -191,6 +195,7 @@ def _start_all(args: argparse.Namespace, local_host: str, port: int, phases: Pha
         # The worker picks the best device itself: importing torch here would cost a second.
         started.start(Child("worker", ["worker", "--model", model, "--prefix", args.prefix,
                                        *(["--device", args.device] if args.device else []),
+                                       *(["--dtype", args.dtype] if args.dtype else []),
                                        *(["--metrics-port", str(args.metrics_port), "--metrics-host", args.host]
                                          if args.metrics_port else [])],
                             env=child_env))
@@ -206,7 +211,7 @@ def _start_all(args: argparse.Namespace, local_host: str, port: int, phases: Pha
             return bool(new)
 
         wait_until(worker_ready, started.children, args.startup_timeout, "loading the model")
-        device = args.device or worker_device(redis_url, args.prefix, new[0]) or "?"
+        device = worker_device(redis_url, args.prefix, new[0]) or args.device or "?"
         print(f"      on {device}", flush=True)
 
     with phases.phase("gateway", f"Gateway on {args.host}:{port} (started beside the worker)"):

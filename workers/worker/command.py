@@ -32,7 +32,8 @@ from workers.worker.metrics_server import check_port
 _ALIASES = {"tensor_parallel_size": ["--tp"]}
 # Help for the engine options (a new EngineConfig field still gets a flag, with a generic help).
 _HELP = {
-    "dtype": "float32, bfloat16 or float16 (default: the checkpoint's; float32 on CPU)",
+    "dtype": "float32, bfloat16 or float16 (default: the checkpoint's on GPU; on CPU bfloat16 where it has "
+             "AVX-512 BF16 or AMX, else float32)",
     "device": "cpu, cuda or cuda:N (default: cuda when available)",
     "block_size": "tokens per KV-cache block",
     "num_kv_blocks": "KV-cache blocks (default: sized from free memory)",

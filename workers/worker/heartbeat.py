@@ -106,6 +106,7 @@ class Heartbeat:
         s = self.engine.stats()
         return {"model": self.cfg.model_name, "served_model_name": self.cfg.served_model_name or self.cfg.model_name,
                 "consumer": self.cfg.consumer, "pid": os.getpid(), "device": s.get("device", ""),
+                "dtype": s.get("dtype", ""),
                 "running": s.get("num_running", 0), "waiting": s.get("num_waiting", 0),
                 "kv_usage": s.get("kv_utilization", 0.0), "kv_blocks_used": s.get("kv_blocks_used", 0),
                 "kv_blocks_total": s.get("kv_blocks_total", 0), "max_model_len": s.get("max_model_len", 0),

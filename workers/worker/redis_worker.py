@@ -108,8 +108,9 @@ class Worker:
 
     async def run(self) -> None:
         cfg = self.cfg
-        log.info("worker %s: model %s, group %s on %s", cfg.consumer, cfg.model_name, self.names.group,
-                 self.names.requests)
+        stats = self.engine.stats()
+        log.info("worker %s: model %s on %s in %s, group %s on %s", cfg.consumer, cfg.model_name,
+                 stats.get("device", "?"), stats.get("dtype", "?"), self.names.group, self.names.requests)
         await self.intake.ensure_group()
         # Its own stream registered before its first heartbeat makes it a routing target: a job
         # routed to it must be found by the others' reclaimers even if it dies at once.
