@@ -67,6 +67,10 @@ class AsyncEngine:
         p = self.engine.prompts
         self._prompts = PromptProcessor(copy.deepcopy(p.tokenizer), p.vocab_size, p.max_model_len)
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamer-tokenize")
+        # Compiles wait on their own threads (each on a time-limited compile process, grammar_compile.py):
+        # a slow schema never holds up another request's tokenizing.
+        self._compiling = ThreadPoolExecutor(max_workers=self.engine.config.grammar_compile_workers,
+                                             thread_name_prefix="streamer-compile")
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> AsyncEngine:
@@ -85,6 +89,7 @@ class AsyncEngine:
         # Tensor-parallel ranks are processes: stop and join them (a no-op on one device).
         await asyncio.to_thread(self.engine.shutdown)
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
+        self._compiling.shutdown(wait=False, cancel_futures=True)
 
     async def __aenter__(self) -> AsyncEngine:
         return await self.start()
@@ -105,7 +110,7 @@ class AsyncEngine:
         assert self._loop is not None
         prompt = await self._loop.run_in_executor(self._tokenizing, self._prompts.tokenize, prompt)
         if params.structured_outputs is not None:  # compiled here, so the engine thread finds it cached
-            await self._loop.run_in_executor(self._tokenizing, self._compile, params.structured_outputs)
+            await self._loop.run_in_executor(self._compiling, self._compile, params.structured_outputs)
         accepted: asyncio.Future[None] = self._loop.create_future()
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._pending_adds += 1

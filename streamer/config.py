@@ -28,6 +28,12 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cpu_gemm: str = "onednn"  # onednn (weights pre-packed once) | torch (F.linear): CPU linear layers
     tp_timeout_s: float = 600.0  # a tensor-parallel collective's wait for a stuck rank; bounds weight loading too
+    # structured_outputs work (docs/structured_outputs.md#budgets): CPU seconds one token mask and all of a
+    # request's masks may take, wall seconds a compile may take, and how many compiles run at once
+    grammar_mask_budget_s: float = 0.2
+    grammar_request_budget_s: float = 10.0
+    grammar_compile_timeout_s: float = 10.0
+    grammar_compile_workers: int = 1
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -52,6 +58,9 @@ class EngineConfig:
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
             (self.cpu_gemm in ("onednn", "torch"), "cpu_gemm must be onednn or torch"),
             (self.tp_timeout_s > 0, "tp_timeout_s must be positive"),
+            (self.grammar_mask_budget_s > 0 and self.grammar_request_budget_s > 0
+             and self.grammar_compile_timeout_s > 0, "the grammar budgets and compile timeout must be positive"),
+            (self.grammar_compile_workers > 0, "grammar_compile_workers must be positive"),
         ]
         for ok, message in checks:
             if not ok:

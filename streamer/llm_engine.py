@@ -18,6 +18,7 @@ from streamer.errors import ConfigError, GrammarError
 from streamer.executor import make_executor
 from streamer.fault_isolation import execute_isolated
 from streamer.grammar import GrammarCompiler
+from streamer.grammar_masks import Budgets
 from streamer.model_config import ModelConfig
 from streamer.output_processor import OutputProcessor
 from streamer.outputs import PromptProgress, RequestOutput, StepRecord
@@ -39,6 +40,7 @@ def resolve_device(name: str | None) -> torch.device:
 
 
 STEP_RECORDS = 4096  # kept until taken: a reader that stops taking them loses only the oldest
+MASK_WAIT_S = 0.01  # a step with nothing to run but sequences waiting for their masks sleeps this long at most
 
 
 class LLMEngine:
@@ -113,32 +115,43 @@ class LLMEngine:
         """The compiler of structured_outputs specs (xgrammar loads on the first constrained request)."""
         with self._grammars_lock:  # the first call may come from the tokenizing thread
             if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.hf_config.vocab_size,
-                                                 set(self.eos_token_ids))
+                c = self.config
+                self._grammars = GrammarCompiler(
+                    self.tokenizer, self.model_config.hf_config.vocab_size, set(self.eos_token_ids),
+                    Budgets(c.grammar_mask_budget_s, c.grammar_request_budget_s), c.grammar_compile_workers,
+                    c.grammar_compile_timeout_s)
         return self._grammars
 
     def _constrain(self, seqs: list[Sequence], spec: dict[str, Any]) -> None:
-        """A matcher per sequence; a resumed one is brought to where its tokens already are."""
+        """A matcher per sequence, sharing the request's grammar budget; a resumed one is brought to
+        where its tokens already are."""
         compiler = self.grammars()
-        compiled = compiler.compile(spec)
+        compiled = compiler.compile(spec)  # cached: AsyncEngine compiled it off this thread
+        budget = compiler.budget(seqs[0].request_id)
         for seq in seqs:
-            seq.grammar = compiler.matcher(compiled)
-            if not all(seq.grammar.accept(t) for t in seq.output_token_ids):
+            seq.grammar = compiler.matcher(compiled, budget)
+            if not seq.grammar.replay(seq.output_token_ids):
                 raise GrammarError("the tokens it resumes from do not match its structured_outputs")
 
-    def abort_request(self, request_id: str, error: str | None = None) -> bool:
-        """Stop a request; with `error`, its last output says why it failed (finish_reason "error")."""
+    def abort_request(self, request_id: str, error: str | None = None, error_code: str | None = None) -> bool:
+        """Stop a request; with `error`, its last output says why it failed (finish_reason "error"), and
+        `error_code` whose fault it was (RequestOutput.error_code)."""
         request = self.scheduler.abort_request(request_id)
         if request is None:
             return False
-        self.output_processor.abort(request, error)
+        self.output_processor.abort(request, error, error_code)
         return True
 
     # ---- one iteration -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._grammars is not None:  # over a grammar budget: failed alone, before it runs again
+            for request_id, reason in self._grammars.take_failures().items():
+                self.abort_request(request_id, error=reason, error_code="invalid_params")
         t0 = time.monotonic()
         scheduled = self.scheduler.schedule()
         t1 = time.monotonic()
+        if not scheduled.scheduled and self._grammars is not None:
+            self._grammars.masks.wait(MASK_WAIT_S)  # only masks to wait for: sleep, not spin
         self._mark_scheduled(scheduled, t1)
         counts = scheduled.num_tokens, scheduled.num_prompt_tokens  # before the step moves them on
         step = execute_isolated(self.runner, scheduled)
@@ -176,8 +189,10 @@ class LLMEngine:
         return self.scheduler.block_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        """Stop the model's processes (tensor parallelism); the engine is unusable afterwards."""
+        """Stop the model's processes (tensor parallelism, grammar compiles); the engine is unusable afterwards."""
         self.runner.shutdown()
+        if self._grammars is not None:
+            self._grammars.close()
 
     # ---- introspection -----------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:

@@ -56,7 +56,7 @@ class OutputProcessor:
                 samples[seq.index] = SeqText(detok)
         self._states[request.request_id] = RequestState(request, samples)
 
-    def abort(self, request: Request, error: str | None = None) -> None:
+    def abort(self, request: Request, error: str | None = None, error_code: str | None = None) -> None:
         """The final output of an aborted request (failed, with `error`), handed out by the next
         `process`."""
         state = self._states.pop(request.request_id, None)
@@ -73,7 +73,7 @@ class OutputProcessor:
                 stop_reason=sample.stop_reason if sample else None,
                 logprobs=[] if request.params.logprobs is not None else None))
         output = self._request_output(state, completions, finished=True)
-        output.error = error
+        output.error, output.error_code = error, error_code
         self._aborted.append(output)
 
     def has_pending(self) -> bool:

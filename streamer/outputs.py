@@ -72,4 +72,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt: str | None = field(default=None, repr=False)
     error: str | None = None  # why the engine could not run this request (finish_reason "error")
+    error_code: str | None = None  # "invalid_params": the request's own spec was at fault; None: the engine's
     metrics: RequestMetrics | None = field(default=None, repr=False)

@@ -143,7 +143,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new == 0:  # a beam whose next token waits for its sibling beams
+            if num_new == 0 or not _mask_ready(seq):  # a beam waiting for its siblings, or for its token mask
                 i += 1
                 continue
             while not self.block_manager.allocate(seq, num_new):
@@ -164,7 +164,7 @@ class Scheduler:
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek()
             hit = bm.find_cached_prefix(seq)
-            if hit.pending:  # shared on its next step, instead of computed twice in this one
+            if hit.pending or not _mask_ready(seq):  # shared on its next step / its first mask is still filling
                 held.append(self.waiting.pop_entry())
                 continue
             num_new = min(seq.num_tokens - hit.num_tokens, budget)
@@ -340,3 +340,9 @@ class Scheduler:
             "num_sessions": len(self.service),
             **self.counters.as_dict(),
         }
+
+
+def _mask_ready(seq: Sequence) -> bool:
+    """Whether a constrained sequence's next-token mask is filled (grammar_masks.py: masks are filled
+    off the step, and a sequence whose mask is late waits instead of holding the step up)."""
+    return seq.grammar is None or seq.grammar.ready

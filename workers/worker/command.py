@@ -50,6 +50,13 @@ _HELP = {
     "gpu_memory_utilization": "share of GPU memory the engine may use",
     "cpu_gemm": "CPU linear layers: onednn (weights packed once) or torch (F.linear)",
     "tp_timeout_s": "seconds a tensor-parallel collective waits for a stuck rank (bounds weight loading too)",
+    "grammar_mask_budget_s": "structured outputs: CPU seconds one token mask may take; past it the request "
+                             "fails (invalid_params)",
+    "grammar_request_budget_s": "structured outputs: CPU seconds all of a request's token masks may take; past "
+                                "it the request fails (invalid_params)",
+    "grammar_compile_timeout_s": "structured outputs: seconds a spec may take to compile; past it the compile is "
+                                 "stopped and the request refused (invalid_params)",
+    "grammar_compile_workers": "structured outputs: compiles run at once, each in a process of its own",
 }
 
 

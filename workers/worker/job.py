@@ -216,7 +216,10 @@ class JobRunner:
         while True:
             if out.error is not None:  # the engine ran everyone else's step without this request
                 self.metrics.finished(["error"] * params.n)
-                await self.answers.fail(run, "internal", f"the engine could not run this request: {out.error}")
+                if out.error_code is not None:  # its own fault (a grammar over its budget): said as it is
+                    await self.answers.fail(run, out.error_code, out.error)
+                else:
+                    await self.answers.fail(run, "internal", f"the engine could not run this request: {out.error}")
                 return
             events, new_tokens, text = self._token_events(run, out, tools, emitted, reasons)
             answer_text += text
