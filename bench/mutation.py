@@ -106,8 +106,8 @@ TARGETS: dict[str, Target] = {
     # --- the serving layer (issue 43). Unit-level files first in each list: a broken mutant fails
     # there in milliseconds; the worker/gateway files that follow run real processes (seconds).
     # Stream names, lanes and their cutoffs: pure, plus a submit at a cutoff against Redis.
-    "names": Target("clients/names.py", ("tests/test_protocol.py", "tests/test_serving_boundaries.py",
-                                         "tests/test_routing.py")),
+    "names": Target("clients/names.py", ("tests/test_names.py", "tests/test_protocol.py",
+                                         "tests/test_serving_boundaries.py", "tests/test_routing.py")),
     # The routing decision (pure functions) and the take script that charges tenants.
     "routing": Target("clients/routing.py", ("tests/test_routing.py", "tests/test_serving_boundaries.py")),
     "accounting": Target("workers/worker/accounting.py", ("tests/test_routing.py", "tests/test_serving_boundaries.py",
