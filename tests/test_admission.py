@@ -1,0 +1,59 @@
+"""The gateway's last check before a push (workers/gateway/admission.py), on its own: the prompt's length
+against what the workers take, and the job's size as a worker will read it, each at its edge and with
+the error (code, message, request id) the client gets. The paths that call it, /ws and the OpenAI
+API, are in test_gateway_limits.py and test_openai_api.py."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from clients.errors import ProtocolError
+from clients.protocol import Limits
+from workers.gateway.admission import check_job
+
+DEFAULT = Limits()
+
+
+def job(**fields: Any) -> dict[str, Any]:
+    return {"v": 1, "id": "r:1", "params": {"max_tokens": 4}, **fields}
+
+
+def refusal(job: dict[str, Any], limits: Limits = DEFAULT, prompt_limit: int = 0) -> ProtocolError:
+    with pytest.raises(ProtocolError) as refused:
+        check_job(job, limits, prompt_limit)
+    return refused.value
+
+
+def test_a_prompt_of_ids_up_to_the_workers_limit_passes_and_one_more_is_refused() -> None:
+    at = check_job(job(prompt_token_ids=[5] * 8), Limits(), prompt_limit=8)
+    assert (at.id, at.prompt_token_ids, at.params) == ("r:1", [5] * 8, {"max_tokens": 4})
+    over = refusal(job(prompt_token_ids=[5] * 9), prompt_limit=8)
+    assert (over.code, over.request_id) == ("invalid_request", "r:1")
+    assert over.message == "`prompt_token_ids` holds 9 tokens; the workers take at most 8"
+    # 0: no worker has said yet what it takes; text prompts are measured by the worker's tokenizer.
+    assert check_job(job(prompt_token_ids=[5] * 9), Limits(), prompt_limit=0).prompt_token_ids == [5] * 9
+    assert check_job(job(prompt="x" * 100), Limits(), prompt_limit=8).prompt == "x" * 100
+
+
+def test_the_size_as_a_worker_reads_it_is_inclusive() -> None:
+    """The size is the job's compact UTF-8 JSON: non-ASCII text counts in bytes, not escapes."""
+    base = job(prompt="é")
+    size = len(json.dumps(base, ensure_ascii=False, separators=(",", ":")).encode())
+    assert check_job(base, Limits(max_payload_bytes=size), 0).prompt == "é"
+    over = refusal(base, Limits(max_payload_bytes=size - 1))
+    assert (over.code, over.request_id) == ("too_large", "r:1")
+    assert over.message == f"the job is {size} bytes as JSON; the limit is {size - 1}"
+
+
+def test_a_number_json_cannot_carry_is_refused_naming_the_request() -> None:
+    bad = refusal(job(prompt="x", params={"max_tokens": 4, "temperature": float("inf")}))
+    assert (bad.code, bad.request_id) == ("invalid_params", "r:1")
+    assert bad.message.startswith("numbers must be finite: ")
+
+
+def test_what_the_worker_would_refuse_is_refused_first() -> None:
+    nothing = refusal(job())  # no prompt of any kind
+    assert (nothing.code, nothing.request_id) == ("invalid_request", "r:1")
