@@ -111,8 +111,8 @@ TARGETS: dict[str, Target] = {
     # The routing decision (pure functions) and the take script that charges tenants.
     "routing": Target("clients/routing.py", ("tests/test_routing.py", "tests/test_router.py",
                                              "tests/test_serving_boundaries.py")),
-    "accounting": Target("workers/worker/accounting.py", ("tests/test_routing.py", "tests/test_serving_boundaries.py",
-                                                          "tests/test_gateway_tenants.py")),
+    "accounting": Target("workers/worker/accounting.py", ("tests/test_accounting.py", "tests/test_routing.py",
+                                                          "tests/test_serving_boundaries.py")),
     "streams": Target("workers/worker/streams.py", ("tests/test_serving_boundaries.py",
                                                     "tests/test_worker_deliveries.py")),
     # A job's life in the worker: deliveries, dead letters, bad jobs, its answer.
