@@ -4,8 +4,10 @@
         [--repeats 3] [--vllm-python VENV/bin/python --anchors ANCHORS_DIR] [--json FILE]
 
 `main` and `chat` are the anchor workloads (reproduced in bench/workload.py; the fingerprints
-printed by both sides must match), `prefill` is ours (long prompts, 8 output tokens). Both
-engines get the same token ids, greedy, ignore_eos, all requests at once, prefix caches reset
+printed by both sides must match), `prefill` is ours (long prompts, 8 output tokens), `sampled` is
+`main` sampled with temperature 0.8, top-p 0.95, top-k 50 (no per-request seed: vLLM's CPU build
+refuses them; vLLM runs the anchors' script with only its SamplingParams line changed). Both
+engines get the same token ids, greedy unless sampled, ignore_eos, all requests at once, prefix caches reset
 before each timed repeat, a few short unrelated requests first to warm up. Before every timed
 run the benchmark waits for the machine to be quiet. streamer's repeats run half before and half
 after vLLM's (the machine's speed drifts by 10-25% within minutes). Prints one table: output tokens/s of each
@@ -39,7 +41,23 @@ VLLM_FLAGS = {
     "main": ["--bind", "0-1", "--preload", "tcmalloc+iomp"],
     "chat": ["--bind", "0-1", "--preload", "tcmalloc+iomp", "--prefix-caching", "on", "--block-size", "32"],
     "prefill": ["--bind", "0-1", "--preload", "tcmalloc+iomp"],
+    "sampled": ["--bind", "0-1", "--preload", "tcmalloc+iomp", "--workload", "main"],
 }
+SAMPLED = {"temperature": 0.8, "top_p": 0.95, "top_k": 50}
+WORKLOADS = {**ANCHOR_WORKLOADS, "sampled": ANCHOR_WORKLOADS["main"]}
+# Runs the anchors' bench_vllm.py (its path first in argv) with its one greedy SamplingParams made
+# the sampled workload's, so vLLM is configured exactly as for the greedy workloads.
+VLLM_SAMPLED = f"""
+import sys
+path = sys.argv[1]
+source = open(path).read()
+greedy = "SamplingParams(temperature=0.0,"
+assert source.count(greedy) == 1, "bench_vllm.py changed: its greedy SamplingParams is not where expected"
+source = source.replace(greedy, "SamplingParams(temperature={SAMPLED['temperature']}, top_p={SAMPLED['top_p']}, "
+                                "top_k={SAMPLED['top_k']},")
+sys.argv = sys.argv[1:]
+exec(compile(source, path, "exec"), {{"__name__": "__main__", "__file__": path}})
+"""
 
 
 def wait_quiet(min_idle: float = 0.93, window: float = 5.0, timeout: float = 600.0) -> float:
@@ -70,17 +88,17 @@ def warm_requests() -> list[dict]:
             for _ in range(8)]
 
 
-def generate(engine: LLMEngine, reqs: list[dict], label: str = "warm-up") -> dict:
+def generate(engine: LLMEngine, reqs: list[dict], label: str = "warm-up", sampling: dict | None = None) -> dict:
     """All requests at once; output tok/s, per-request time to first token, peak KV blocks."""
     with task(f"requests ({label})", total=len(reqs)) as bar:
-        return _generate(engine, reqs, bar)
+        return _generate(engine, reqs, bar, sampling or {"temperature": 0.0})
 
 
-def _generate(engine: LLMEngine, reqs: list[dict], bar: Task) -> dict:
+def _generate(engine: LLMEngine, reqs: list[dict], bar: Task, sampling: dict) -> dict:
     start = time.perf_counter()
     for i, r in enumerate(reqs):
         engine.add_request(str(i), {"prompt_token_ids": r["prompt"]},
-                           SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True))
+                           SamplingParams(**sampling, max_tokens=r["max_tokens"], ignore_eos=True))
     first: dict[str, float] = {}
     lengths: dict[str, int] = {}
     peak_blocks = 0
@@ -116,7 +134,8 @@ def timed_runs(engine: LLMEngine, args: argparse.Namespace, name: str, reqs: lis
     for i in range(args.repeats):
         engine.reset_prefix_cache()
         idle = wait_quiet()
-        run = generate(engine, reqs, f"streamer {name}, {when}repeat {i + 1}/{args.repeats}")
+        run = generate(engine, reqs, f"streamer {name}, {when}repeat {i + 1}/{args.repeats}",
+                       SAMPLED if name == "sampled" else None)
         run["idle_before"] = idle
         runs.append(run)
         print(json.dumps({"system": "streamer", "workload": name, **{k: round(v, 3) for k, v in run.items()}}),
@@ -150,11 +169,15 @@ def run_both(args: argparse.Namespace, name: str, reqs: list[dict]) -> tuple[dic
 
 def run_vllm(args: argparse.Namespace, name: str, reqs: list[dict]) -> dict:
     script = Path(args.anchors) / "bench_vllm.py"
-    cmd = [args.vllm_python, str(script), str(args.model), "--dtype", args.dtype, "--repeats", str(args.repeats),
+    program = [str(script)] if name != "sampled" else ["-c", VLLM_SAMPLED, str(script)]
+    cmd = [args.vllm_python, *program, str(args.model), "--dtype", args.dtype, "--repeats", str(args.repeats),
            *VLLM_FLAGS[name]]
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(reqs, f)
-    cmd += ["--workload", name] if name in ("main", "chat") else ["--workload-file", f.name]
+    if name in ("main", "chat"):
+        cmd += ["--workload", name]
+    elif name != "sampled":  # (sampled runs main's, named in its flags)
+        cmd += ["--workload-file", f.name]
     wait_quiet()
     with task(f"vLLM {name}, {args.repeats} repeats"):
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -163,7 +186,7 @@ def run_vllm(args: argparse.Namespace, name: str, reqs: list[dict]) -> dict:
     if proc.returncode or not lines:
         raise RuntimeError(f"vLLM failed ({proc.returncode}): {proc.stderr[-2000:]}")
     result = json.loads(lines[-1])
-    if name in ("main", "chat") and result["fingerprint"] != fingerprint(reqs):
+    if name in ("main", "chat", "sampled") and result["fingerprint"] != fingerprint(reqs):
         raise RuntimeError(f"workload differs: vLLM ran {result['fingerprint']}, streamer {fingerprint(reqs)}")
     return result
 
@@ -171,7 +194,7 @@ def run_vllm(args: argparse.Namespace, name: str, reqs: list[dict]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, required=True, help="a Llama checkpoint directory (the anchors' model)")
-    ap.add_argument("--workloads", default="main,chat,prefill")
+    ap.add_argument("--workloads", default="main,chat,prefill,sampled")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--block-size", type=int, default=16)
@@ -187,7 +210,7 @@ def main() -> None:
         ap.error("--vllm-python needs --anchors")
     rows = []
     for name in args.workloads.split(","):
-        reqs = ANCHOR_WORKLOADS[name]()
+        reqs = WORKLOADS[name]()
         ours, theirs = run_both(args, name, reqs)
         rows.append({"workload": name, "fingerprint": fingerprint(reqs), "streamer": ours, "vllm": theirs})
     print_table(rows, args)
