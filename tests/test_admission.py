@@ -29,7 +29,7 @@ def refusal(job: dict[str, Any], limits: Limits = DEFAULT, prompt_limit: int = 0
 
 def test_a_prompt_of_ids_up_to_the_workers_limit_passes_and_one_more_is_refused() -> None:
     at = check_job(job(prompt_token_ids=[5] * 8), Limits(), prompt_limit=8)
-    assert (at.id, at.prompt_token_ids, at.params) == ("r:1", [5] * 8, {"max_tokens": 4})
+    assert (at.id, at.encoding, at.prompt_token_ids, at.params) == ("r:1", "json", [5] * 8, {"max_tokens": 4})
     over = refusal(job(prompt_token_ids=[5] * 9), prompt_limit=8)
     assert (over.code, over.request_id) == ("invalid_request", "r:1")
     assert over.message == "`prompt_token_ids` holds 9 tokens; the workers take at most 8"
@@ -54,6 +54,10 @@ def test_a_number_json_cannot_carry_is_refused_naming_the_request() -> None:
     assert bad.message.startswith("numbers must be finite: ")
 
 
-def test_what_the_worker_would_refuse_is_refused_first() -> None:
+def test_what_the_worker_would_refuse_is_refused_first_under_the_gateways_limits() -> None:
     nothing = refusal(job())  # no prompt of any kind
     assert (nothing.code, nothing.request_id) == ("invalid_request", "r:1")
+    two = job(messages=[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    assert check_job(two, DEFAULT, 0).messages is not None
+    fewer = refusal(two, Limits(max_messages=1))  # the limits given, not the defaults
+    assert (fewer.code, fewer.message) == ("invalid_request", "`messages` must be a list of 1-1 messages")
