@@ -101,10 +101,11 @@ async def _first_token(client: AsyncClient) -> float:
 
 
 async def run_phase(client: AsyncClient, hostile: bool, victims: int = 3, n: int = 8, schemas: int = 3,
-                    baseline_s: float = 2.0, victim_max_tokens: int = 8000) -> Phase:
+                    baseline_s: float = 2.0, victim_max_tokens: int = 8000, max_s: float = 300.0) -> Phase:
     """Victims streaming; then the plain request (and, `hostile`, the grammar and schemas before it);
     the victims' gaps are taken from then until every other request has its answer (at least
-    `baseline_s`), and the victims are cancelled."""
+    `baseline_s`, at most `max_s`: what has no answer by then is cancelled and said so), and the
+    victims are cancelled."""
     await client.generate("warm up", params=WARM_UP)
     times: list[list[float]] = [[] for _ in range(victims)]
     ids = [await client.submit(f"victim {i}", params={"max_tokens": victim_max_tokens, "ignore_eos": True,
@@ -114,17 +115,24 @@ async def run_phase(client: AsyncClient, hostile: bool, victims: int = 3, n: int
         await asyncio.sleep(0.01)
     start = time.monotonic()
     phase = Phase()
-    pending: dict[str, asyncio.Task[str]] = {}
+    pending: dict[str, tuple[str, asyncio.Task[str]]] = {}
     if hostile:
         grammar = {"n": n, "temperature": 1.0, "seed": 1, "max_tokens": 200, "min_tokens": 190,
                    "structured_outputs": {"grammar": AMBIGUOUS}}
-        pending["grammar"] = asyncio.create_task(outcome(client, await client.submit("words", params=grammar)))
+        sent = {"grammar": await client.submit("words", params=grammar)}
         for k in range(schemas):
             params = {"max_tokens": 16, "structured_outputs": {"json": wide_schema()}}
-            pending[f"schema {k}"] = asyncio.create_task(outcome(client, await client.submit("json", params=params)))
-    phase.first_token_s = await _first_token(client)
-    for name, task in pending.items():
-        phase.outcomes[name] = await task
+            sent[f"schema {k}"] = await client.submit("json", params=params)
+        pending = {name: (rid, asyncio.create_task(outcome(client, rid))) for name, rid in sent.items()}
+    first = asyncio.create_task(_first_token(client))
+    await asyncio.wait([first, *(task for _, task in pending.values())], timeout=max_s)
+    phase.first_token_s = first.result() if first.done() else float("inf")
+    first.cancel()
+    for name, (rid, task) in pending.items():
+        phase.outcomes[name] = task.result() if task.done() else f"no answer in {max_s:g} s"
+        if not task.done():
+            await client.cancel(rid)
+            task.cancel()
     await asyncio.sleep(max(0.0, start + baseline_s - time.monotonic()))
     end = time.monotonic()
     for rid in ids:
@@ -168,7 +176,7 @@ async def _main(args: argparse.Namespace, url: str) -> dict[str, Any]:
             if time.monotonic() > deadline:
                 raise SystemExit("the worker did not start (see its log)")
             await asyncio.sleep(0.2)
-        common = {"victims": args.victims, "n": args.n, "schemas": args.schemas}
+        common = {"victims": args.victims, "n": args.n, "schemas": args.schemas, "max_s": args.max_s}
         baseline = await run_phase(client, hostile=False, **common)
         hostile = await run_phase(client, hostile=True, **common)
     return report(baseline, hostile)
@@ -186,6 +194,7 @@ def main() -> None:
     p.add_argument("--mask-budget-s", type=float, default=0.2)
     p.add_argument("--compile-timeout-s", type=float, default=10.0)
     p.add_argument("--num-kv-blocks", type=int, default=0)
+    p.add_argument("--max-s", type=float, default=300.0, help="longest a phase waits for the hostile answers")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp, RedisServer() as server:

@@ -134,6 +134,7 @@ class GrammarState:
         self._pending: list[int] = []  # accepted, not yet given to the matcher
         self.ready = False
         self.terminated = False
+        self.last_fill_s = 0.0  # set by the mask thread
 
     def replay(self, tokens: list[int]) -> bool:
         """Bring a new state to where `tokens` leave it (a resumed request), then fill its first mask;

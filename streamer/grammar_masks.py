@@ -1,9 +1,9 @@
 """Filling next-token masks off the engine's step, within a time budget per mask and per request.
 
-A mask is filled on a thread of its own as soon as the token before it is accepted, so it is
-usually ready before the next step needs it. A sequence whose mask is not ready is not scheduled
-(the scheduler asks `GrammarState.ready`): the step goes on without it, and no other request ever
-waits for its grammar. An ambiguous grammar can take seconds per mask (xgrammar's Earley parser,
+A mask is filled on a thread of its own as soon as the token before it is accepted, and the next
+step waits a little (`settle`) for the masks that come fast. A sequence whose mask is still not ready
+is not scheduled (the scheduler asks `GrammarState.ready`): the step goes on without it, and no other
+request waits for its grammar more than that little. An ambiguous grammar can take seconds per mask (xgrammar's Earley parser,
 which cannot be interrupted), so each fill's CPU time is measured against `mask_s`, and the sum
 over a request's sequences against `request_s`; past either, the request is failed (the engine
 takes `take_failures()` before each step) and the thread still inside that fill is abandoned at
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 THREADS = 1  # fills take microseconds: one thread keeps up with a full batch of constrained sequences
-NICE = 5  # under a full CPU, the step that serves every request goes before one request's grammar work
+FAST_S = 0.001  # a state whose last fill took less CPU than this is waited for before the next schedule
+SETTLE_S = 0.005  # the longest a step waits for such fills (a long queue of them, or one turned slow)
 MAX_ABANDONED = 4  # threads left inside an over-budget fill at once; past it the queue waits for them
 
 
@@ -45,6 +46,7 @@ class RequestBudget:
 
 class Fillable(Protocol):
     budget: RequestBudget
+    last_fill_s: float  # CPU time of its last fill (0 before the first)
 
     def fill(self) -> None: ...
 
@@ -62,12 +64,26 @@ class MaskFiller:
         self._live = 0
         self._abandoned: set[int] = set()
         self._failures: dict[str, str] = {}
+        self._settled = threading.Condition(self._lock)
+        self._awaited: set[Fillable] = set()  # submitted fills the next schedule waits for (fast ones)
 
     def submit(self, state: Fillable) -> None:
-        self._queue.put(state)
         with self._lock:
+            if state.last_fill_s < FAST_S:
+                self._awaited.add(state)
             if self._live < THREADS:
                 self._start_thread()
+        self._queue.put(state)
+
+    def settle(self) -> None:
+        """Wait (SETTLE_S at most) for the fills of states whose masks come fast: without it a sequence
+        would miss the step after each of its tokens (its fill is queued behind the step's own Python).
+        A state whose fill runs longer is not waited for again: its sequence waits, not the step."""
+        with self._settled:
+            if self._awaited and not self._settled.wait_for(lambda: not self._awaited, SETTLE_S):
+                slow = {state for state, clock, start, _ in self._running.values()
+                        if time.clock_gettime(clock) - start >= FAST_S}
+                self._awaited -= slow
 
     def take_failures(self) -> dict[str, str]:
         """Requests over a budget since the last call (request id -> why); also catches fills that
@@ -89,25 +105,32 @@ class MaskFiller:
     def _run(self) -> None:
         me = threading.get_ident()
         clock, native = time.pthread_getcpuclockid(me), threading.get_native_id()
-        _set_priority(native, NICE)
         while True:
             state = self._queue.get()
             if state.budget.failure is not None:
+                self._done(state)
                 continue
             start = time.clock_gettime(clock)
             with self._lock:
                 self._running[me] = (state, clock, start, native)
             state.fill()
-            used = time.clock_gettime(clock) - start
+            state.last_fill_s = used = time.clock_gettime(clock) - start
             with self._lock:
                 del self._running[me]
                 abandoned = me in self._abandoned
                 self._abandoned.discard(me)
                 if not abandoned:
                     self._charge(state.budget, used)
-            self.filled.set()
+            self._done(state)
             if abandoned:  # a fresh thread took this one's place
                 return
+
+    def _done(self, state: Fillable) -> None:
+        with self._lock:
+            self._awaited.discard(state)
+            if not self._awaited:
+                self._settled.notify_all()
+        self.filled.set()
 
     def _check_running(self) -> None:
         with self._lock:
@@ -143,6 +166,7 @@ class MaskFiller:
         if len(self._abandoned) >= MAX_ABANDONED:
             return
         self._abandoned.add(ident)
+        self._awaited.discard(self._running[ident][0])
         self._live -= 1
         _set_priority(native, 19)
         self._start_thread()

@@ -147,6 +147,7 @@ class LLMEngine:
         if self._grammars is not None:  # over a grammar budget: failed alone, before it runs again
             for request_id, reason in self._grammars.take_failures().items():
                 self.abort_request(request_id, error=reason, error_code="invalid_params")
+            self._grammars.masks.settle()
         t0 = time.monotonic()
         scheduled = self.scheduler.schedule()
         t1 = time.monotonic()

@@ -57,10 +57,14 @@ async def test_hostile_grammars_fail_alone_and_leave_other_streams_as_they_were(
     assert hostile.first_token_s <= 3 * baseline.first_token_s + 0.2, summary
 
 
-def test_a_request_over_its_mask_budget_fails_alone_with_the_budget_named(ckpt: Path) -> None:
+@pytest.mark.parametrize("budgets, named", [({"grammar_mask_budget_s": 0.02}, "grammar_mask_budget_s"),
+                                            ({"grammar_mask_budget_s": 10.0, "grammar_request_budget_s": 0.1},
+                                             "grammar_request_budget_s")])
+def test_a_request_over_a_grammar_budget_fails_alone_with_the_budget_named(ckpt: Path, budgets: dict,
+                                                                           named: str) -> None:
     """The offline engine too: the request over the budget ends with an error saying which budget, a
-    plain request beside it runs to its end, and the engine takes more work after."""
-    engine = LLMEngine(EngineConfig(model=str(ckpt), num_kv_blocks=256, grammar_mask_budget_s=0.02))
+    plain request beside it runs to its end."""
+    engine = LLMEngine(EngineConfig(model=str(ckpt), num_kv_blocks=256, **budgets))
     try:
         hostile = SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=300, min_tokens=290,
                                  structured_outputs={"grammar": AMBIGUOUS})
@@ -72,7 +76,7 @@ def test_a_request_over_its_mask_budget_fails_alone_with_the_budget_named(ckpt: 
             for out in engine.step():
                 tokens[out.request_id] += sum(len(c.token_ids) for c in out.outputs)
                 last[out.request_id] = out
-        assert last["hostile"].error_code == "invalid_params" and "grammar_mask_budget_s" in last["hostile"].error
+        assert last["hostile"].error_code == "invalid_params" and named in last["hostile"].error, last["hostile"]
         assert tokens["hostile"] < 4 * 300
         assert last["plain"].error is None and tokens["plain"] == 400
     finally:
