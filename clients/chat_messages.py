@@ -6,9 +6,11 @@ builds the caller's error."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 SPEC_MAX_DEPTH = 64  # params.structured_outputs (a JSON schema) is exempt from max_depth, not unbounded
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
 
 
 def split_schemas(obj: dict[Any, Any]) -> tuple[dict[Any, Any], Any]:
@@ -92,12 +94,20 @@ def _tool_calls(calls: Any, bad: Any) -> list[dict[str, Any]]:
 def parse_tools(tools: Any, bad: Any) -> list[dict[str, Any]]:
     if not isinstance(tools, list) or len(tools) > 128:
         raise bad("`tools` must be a list of at most 128 function definitions")
+    names: set[str] = set()
     for tool in tools:
         fn = tool.get("function") if isinstance(tool, dict) else None
         if (not isinstance(fn, dict) or tool.get("type") != "function" or not isinstance(fn.get("name"), str)
                 or not isinstance(fn.get("parameters", {}), dict)):
             raise bad('each tool must be {"type": "function", "function": {"name": string, "description": '
                       'string, "parameters": JSON Schema}}')
+        name = fn["name"]
+        if not TOOL_NAME.fullmatch(name):  # OpenAI's rule: a call names its tool, and the name must say which
+            raise bad(f"tool name {name[:80]!r} must be 1 to 64 letters, digits, underscores or dashes "
+                      "(^[a-zA-Z0-9_-]{1,64}$)")
+        if name in names:
+            raise bad(f"two tools are named {name!r}: each needs a name of its own")
+        names.add(name)
     return tools
 
 

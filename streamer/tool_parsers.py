@@ -306,10 +306,18 @@ class Llama3JsonToolParser(JsonCallsParser):
 
 
 class JsonArrayToolParser(JsonCallsParser):
-    """`tool_choice: "required"`: the output is a JSON array of `{"name", "parameters"}` objects."""
+    """`tool_choice: "required"`: the output is a JSON array of `{"name", "parameters"}` objects. It is
+    constrained to that array, so text that is no call is the cut end of one (`max_tokens` ran out
+    inside it): dropped, never content (a client would otherwise show `{"name":` as the answer)."""
 
     name = "json_array"
     open, sep, close = "[", ",", "]"
+
+    def feed(self, text: str, final: bool = False) -> Delta:
+        return "", super().feed(text, final)[1]
+
+    def parse(self, text: str) -> ParsedOutput:
+        return ParsedOutput("", super().parse(text).tool_calls)
 
 
 class NamedToolParser(ToolParser):

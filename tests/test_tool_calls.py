@@ -20,6 +20,7 @@ from test_tool_messages import TEMPLATE as HERMES_TEMPLATE
 from transformers import AutoTokenizer
 
 from clients.chat_messages import merge_tool_call_deltas
+from clients.errors import ProtocolError
 from clients.protocol import Job, decode_job, encode_job
 from clients.redis_client import AsyncClient, RequestFailed
 from streamer import EngineConfig, LLMEngine, SamplingParams
@@ -319,3 +320,47 @@ async def test_openai_sdk_gets_tool_calls_whole_and_streamed(hermes_ckpt: Path, 
         assert [c.function.name for c in choice.message.tool_calls] == ["search"]
         assert valid_calls([c.model_dump() for c in choice.message.tool_calls])
     assert follow_up.choices[0].finish_reason in ("stop", "length") and not follow_up.choices[0].message.tool_calls
+
+
+# Root-relative references, as Pydantic writes them: `#` is the tool's own schema.
+BOOK = {"type": "object", "additionalProperties": False, "required": ["start", "end"],
+        "properties": {"start": {"$ref": "#/$defs/City"}, "end": {"$ref": "#/properties/start"}},
+        "$defs": {"City": {"enum": ["Oslo", "Lima"]}}}
+
+
+def test_required_follows_each_tools_root_relative_refs(engine: LLMEngine) -> None:
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "book", "parameters": BOOK}}]
+    jobs = {f"ref-{i}": decode_job(encode_job({"id": f"ref-{i}", "messages": MESSAGES, "tools": tools,
+                                               "tool_choice": "required",
+                                               "params": {"temperature": 1.0, "seed": i, "max_tokens": 600}}))
+            for i in range(20)}
+    results = run_jobs(engine, jobs)
+    schemas = {"get_weather": WEATHER, "book": BOOK}
+    for rid, (content, calls, reason) in results.items():
+        assert reason == "tool_calls" and content == "" and calls, (rid, results[rid])
+        for call in calls:  # valid against the tool's own schema, its refs read from its own root
+            jsonschema.validate(loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+    assert "book" in {call["function"]["name"] for _, calls, _ in results.values() for call in calls}
+
+
+def test_a_required_answer_cut_by_max_tokens_is_calls_or_nothing_never_content(engine: LLMEngine) -> None:
+    results = run_jobs(engine, {f"cut-{n}": job_of("required", temperature=1.0, seed=n, max_tokens=n)
+                                for n in range(1, 30)})
+    for rid, (content, calls, reason) in results.items():
+        # A cut call keeps its arguments so far; a call cut before its name is not one.
+        assert content == "" and reason == "length", (rid, results[rid])
+        assert all(call["function"]["name"] in SCHEMAS for call in calls), (rid, results[rid])
+
+
+@pytest.mark.parametrize("names, words", [
+    (["get weather"], "must be 1 to 64 letters"), (["x" * 65], "must be 1 to 64 letters"), ([""], "1 to 64"),
+    (["wetter.heute"], "letters, digits"), (["f", "g", "f"], "two tools are named 'f'")])
+def test_tool_names_are_openai_names_and_each_is_given_once(names: list[str], words: str) -> None:
+    def job(tool_names: list[str]) -> dict[str, Any]:
+        tools = [{"type": "function", "function": {"name": name}} for name in tool_names]
+        return {"id": "n", "messages": MESSAGES, "tools": tools}
+
+    with pytest.raises(ProtocolError, match=re.escape(words)) as refused:
+        decode_job(encode_job(job(names)))
+    assert refused.value.code == "invalid_request"
+    assert decode_job(encode_job(job(["a" * 64, "get_weather-2"]))).tools is not None  # the bounds themselves pass

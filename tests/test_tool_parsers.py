@@ -71,9 +71,13 @@ ARRAY: list[tuple[str, str, Calls]] = [
     ('[{"name":"f","parameters":{"a":1}},{"name":"g","parameters":{"b":"x]"}}]', "",
      [("f", '{"a":1}'), ("g", '{"b":"x]"}')]),
     ('[{"name":"now","parameters":{}}]', "", [("now", "{}")]),
-    ('[{"name":"f","parameters":{"a":1}},{"name":"g","param', '{"name":"g","param', [("f", '{"a":1}')]),  # cut
+    # Cut by max_tokens: a call cut before its arguments is dropped, never content.
+    ('[{"name":"f","parameters":{"a":1}},{"name":"g","param', "", [("f", '{"a":1}')]),
+    ('[{"name":"f","parameters":{"a":1}},{"name":', "", [("f", '{"a":1}')]),
+    ('[{"name":', "", []),
+    ("[", "", []),
     ('[{"name":"f","parameters":{"a":', "", [("f", '{"a":')]),
-    ("[]", "[]", []),
+    ("[]", "", []),
 ]
 
 

@@ -39,11 +39,36 @@ def _parameters(tool: dict[str, Any]) -> Any:
 
 
 def required_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """One or more calls, each naming one of the tools with arguments valid against its schema."""
+    """One or more calls, each naming one of the tools with arguments valid against its schema. Each
+    schema moves under the array's `$defs` (`tool_0`, ...), its root-relative `$ref`s with it: inside
+    the array, `#` is no longer the tool's own root."""
+    defs = {f"tool_{i}": _moved(_parameters(t), f"#/$defs/tool_{i}") for i, t in enumerate(tools)}
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-              "properties": {"name": {"const": t["function"]["name"]}, "parameters": _parameters(t)}}
-             for t in tools]
-    return {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+              "properties": {"name": {"const": t["function"]["name"]}, "parameters": {"$ref": f"#/$defs/tool_{i}"}}}
+             for i, t in enumerate(tools)]
+    return {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+            "$defs": defs}
+
+
+_DATA = frozenset({"enum", "const", "default", "examples"})  # values, not schemas: no `$ref` in them is one
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _moved(schema: Any, root: str) -> Any:
+    """`schema` with every root-relative `$ref` (`#`, `#/...`) pointing under `root` instead."""
+    if isinstance(schema, list):
+        return [_moved(s, root) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            moved[key] = root + value[1:]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # names mapped to schemas: any name is a name
+            moved[key] = {name: _moved(s, root) for name, s in value.items()}
+        else:
+            moved[key] = value if key in _DATA else _moved(value, root)
+    return moved
 
 
 def constraint(job: Job) -> dict[str, Any] | None:
