@@ -185,7 +185,9 @@ async def test_a_wedged_pubsub_connection_is_replaced_not_every_request_failed(r
         events = (await collect(ws, {"w1"}, timeout=10))["w1"]
         assert_contiguous(events)
         assert [e["type"] for e in events] == ["token", "token", "done"]
-        assert gw.metrics.values["stream_fills_total"] == 0
+        # One catch-up read when the fresh connection came up (what was published before it is only
+        # in the stream); the events themselves came live.
+        assert gw.metrics.values["stream_fills_total"] <= 1
     await r.aclose()
 
 
@@ -472,7 +474,7 @@ async def test_http_page_health_and_metrics(redis_url: str) -> None:
         assert (await get("nothing.js"))[0] == 404
         assert (await get("ws"))[0] == 426  # /ws is for WebSocket upgrades only
         status, _, body = await get("healthz")
-        assert status == 503 and json.loads(body) == {"ok": False, "redis": True, "workers": [],
+        assert status == 503 and json.loads(body) == {"ok": False, "redis": True, "pubsub": True, "workers": [],
                                                       "connections": 0}
         await r.hset(NAMES.worker("w1"), mapping={"model": "tiny", "running": "0"})
         await r.pexpire(NAMES.worker("w1"), 5000)

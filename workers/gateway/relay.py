@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from clients.backoff import TRANSIENT, Backoff
 from clients.errors import ProtocolError
@@ -63,17 +64,29 @@ class EventRelay:
         # plain pub/sub connection per master (made when first needed), each read by its own loop.
         self._shard_pubsubs: dict[str, Any] = {}
         self.watches: dict[str, set[Watch]] = {}  # channel -> readers (the subscriptions we want)
-        self._subscribed: dict[str, asyncio.Event] = {}  # channel -> set when Redis confirmed it
+        # channel -> set once the current connection confirmed it; cleared (not replaced: watches wait
+        # on it) whenever a fresh connection subscribes again.
+        self._subscribed: dict[str, asyncio.Event] = {}
         self._sub_lock = asyncio.Lock()  # SUBSCRIBE/UNSUBSCRIBE go out in decision order
         # Being subscribed to the resumes channel also keeps the pub/sub connection open while no
         # request is watched.
         self.resumed_channel = resumed_channel(names)
         self.on_resumed: Callable[[str], None] = lambda request_id: None
+        # Only the read loop replaces the connection, one at a time: when every watch waiting for a
+        # confirmation replaced it by itself, hundreds did so at once after a Redis restart under
+        # load, each new connection was dropped before its confirmations were read, and the gateway
+        # never recovered.
+        self.generation = 0  # raised by every fresh pub/sub connection
+        self._connected = False  # the current connection has sent its SUBSCRIBE and not failed since
+        self._replace_generation = -1  # a watch asks for this generation's connection to be replaced
+        # The current connection confirmed the resumes channel and no subscription timed out since:
+        # /readyz is 503 otherwise (a gateway that cannot hear events must not get traffic).
+        self.ready = False
 
     async def start(self) -> asyncio.Future[Any]:
         """Subscribes to the resumes channel; returns the loops to run until the gateway closes."""
-        await self.pubsub.subscribe(self.resumed_channel)
-        return asyncio.gather(self._read_loop(self._next_message), self._idle_loop())
+        await self._connect()
+        return asyncio.gather(self._main_loop(), self._idle_loop())
 
     async def close(self) -> None:
         await self.pubsub.aclose()
@@ -91,32 +104,50 @@ class EventRelay:
         self.watches.setdefault(w.channel, set()).add(w)
         try:
             await self._sync(w.channel)
+            confirmed = self._subscribed.get(w.channel)
+            if confirmed is None:  # unwatched meanwhile; nothing to wait for
+                return w
+            generation = self.generation
             try:
-                await asyncio.wait_for(self._subscribed[w.channel].wait(), timeout=SUBSCRIBE_TIMEOUT_S)
+                await asyncio.wait_for(confirmed.wait(), timeout=SUBSCRIBE_TIMEOUT_S)
             except TimeoutError:
                 # Redis answers a SUBSCRIBE at once: a connection that stays silent is wedged (seen
-                # after Redis restarts under load). Replace it, once, rather than fail every request.
-                await self._renew_pubsub()
-                await asyncio.wait_for(self._subscribed[w.channel].wait(), timeout=SUBSCRIBE_TIMEOUT_S)
+                # after Redis restarts under load). The read loop replaces it, once however many
+                # watches ask, and subscribes to every watched channel again.
+                self._ask_replace(generation)
+                try:
+                    await asyncio.wait_for(confirmed.wait(), timeout=SUBSCRIBE_TIMEOUT_S)
+                except TimeoutError:
+                    raise RedisConnectionError("the gateway's pub/sub connection did not confirm a "
+                                               "subscription; retry shortly") from None
         except BaseException:
             self.unwatch(w)
             raise
         return w
 
-    async def _renew_pubsub(self) -> None:
-        """A fresh pub/sub connection subscribed to everything watched; the old one is closed once
-        the read loop has let go of it."""
+    def _ask_replace(self, generation: int) -> None:
+        if generation == self.generation and self._replace_generation != generation:
+            self._replace_generation = generation
+            self.ready = False
+            self.metrics.inc("redis_errors_total")
+            log.warning("gateway pub/sub: a subscription was not confirmed in %ss; replacing the connection",
+                        SUBSCRIBE_TIMEOUT_S)
+
+    async def _connect(self) -> None:
+        """A fresh pub/sub connection, subscribed in one SUBSCRIBE to the resumes channel and every
+        watched channel; the old one is closed once nothing reads it. Raises what Redis raises."""
         async with self._sub_lock:
             old, self.pubsub = self.pubsub, self.redis.pubsub()
-            self.metrics.inc("redis_errors_total")
-            log.warning("gateway pub/sub: a subscription was not confirmed in %ss; connection replaced",
-                        SUBSCRIBE_TIMEOUT_S)
-            shard = self.names.cluster  # shard channels have their own connections
-            channels = [] if shard else list(self.watches)
+            self.spawn(_close_later(old), "close the replaced pub/sub connection")
+            self.generation += 1
+            self._connected = self.ready = False
+            for channel in [c for c in self._subscribed if c not in self.watches]:
+                del self._subscribed[channel]
+            channels = [] if self.names.cluster else list(self.watches)  # shard channels: own connections
             for channel in channels:
-                self._subscribed[channel] = asyncio.Event()
+                self._subscribed.setdefault(channel, asyncio.Event()).clear()
             await self.pubsub.subscribe(self.resumed_channel, *channels)
-        self.spawn(_close_later(old), "close the replaced pub/sub connection")
+            self._connected = True
 
     def unwatch(self, w: Watch) -> None:
         if w.closed:
@@ -136,6 +167,8 @@ class EventRelay:
             want, have = channel in self.watches, channel in self._subscribed
             if want and not have:
                 self._subscribed[channel] = asyncio.Event()
+                if not self._connected and not self.names.cluster:
+                    return  # the read loop's next connection subscribes to it with the others
                 try:
                     if self.names.cluster:
                         await self._shard_subscribe(channel)
@@ -146,10 +179,13 @@ class EventRelay:
                     raise
             elif have and not want:
                 del self._subscribed[channel]
-                if self.names.cluster:
-                    await self._shard_pubsub(channel).sunsubscribe(channel)
-                else:
-                    await self.pubsub.unsubscribe(channel)
+                try:
+                    if self.names.cluster:
+                        await self._shard_pubsub(channel).sunsubscribe(channel)
+                    elif self._connected:
+                        await self.pubsub.unsubscribe(channel)
+                except TRANSIENT as e:  # a fresh connection subscribes only to what is watched
+                    log.info("unsubscribe %s: Redis unavailable: %r", channel, e)
 
     def _shard_pubsub(self, channel: str) -> Any:
         """The pub/sub connection to the master serving `channel`'s slot."""
@@ -206,10 +242,35 @@ class EventRelay:
 
     # --- background loops --------------------------------------------------------------------------
 
-    async def _next_message(self) -> dict[str, Any] | None:
-        return await self.pubsub.get_message(timeout=1.0)
+    async def _main_loop(self) -> None:
+        """Reads the main pub/sub connection; replaces it after an error or when a watch asks."""
+        backoff = Backoff("gateway pub/sub", log)
+        while True:
+            if not self._connected or self._replace_generation == self.generation:
+                try:
+                    await self._connect()
+                except TRANSIENT as e:
+                    self.metrics.inc("redis_errors_total")
+                    await backoff.sleep(e)
+                    continue
+            try:
+                msg = await self.pubsub.get_message(timeout=1.0)
+            except TRANSIENT as e:
+                self._connected = self.ready = False
+                self.metrics.inc("redis_errors_total")
+                await backoff.sleep(e)
+                continue
+            except Exception as e:  # a bug in redis-py or here: a fresh connection, never a dead loop
+                log.exception("gateway pub/sub: reading failed; replacing the connection")
+                self._connected = self.ready = False
+                await backoff.sleep(e)
+                continue
+            backoff.reset()
+            if msg is not None:
+                self._dispatch(msg)
 
     async def _read_loop(self, next_message: Callable[[], Awaitable[dict[str, Any] | None]]) -> None:
+        """Reads one shard master's pub/sub connection (a cluster), which redis-py reconnects."""
         backoff = Backoff("gateway pub/sub", log)
         reconnected = False
         while True:
@@ -223,11 +284,14 @@ class EventRelay:
                 continue
             if reconnected:  # messages published while we were away are only in the streams
                 reconnected = False
-                for readers in list(self.watches.values()):
-                    for w in list(readers):
-                        self.fill_soon(w)
+                self._fill_all()
             if msg is not None:
                 self._dispatch(msg)
+
+    def _fill_all(self) -> None:
+        for readers in list(self.watches.values()):
+            for w in list(readers):
+                self.fill_soon(w)
 
     def _dispatch(self, msg: dict[str, Any]) -> None:
         if msg.get("channel") is None:  # a health-check pong
@@ -235,6 +299,10 @@ class EventRelay:
         channel = msg["channel"].decode() if isinstance(msg["channel"], bytes) else msg["channel"]
         kind = msg["type"].decode() if isinstance(msg["type"], bytes) else msg["type"]
         if kind in ("subscribe", "ssubscribe"):
+            if channel == self.resumed_channel and self._connected:
+                # A fresh connection is live: what was published while none was is only in the streams.
+                self.ready = self._replace_generation != self.generation
+                self._fill_all()
             confirmed = self._subscribed.get(channel)
             if confirmed is not None:
                 confirmed.set()

@@ -219,15 +219,17 @@ class Gateway:
     # --- HTTP --------------------------------------------------------------------------------------
 
     async def health(self) -> tuple[bool, dict[str, Any]]:
-        """Readiness (`/readyz`, `/healthz`): Redis answers and at least one worker is alive."""
+        """Readiness (`/readyz`, `/healthz`): Redis answers, the pub/sub connection that relays every
+        event is live, and at least one worker is alive."""
         redis_ok = await self.hub.ping()
+        pubsub_ok = self.hub.relay.ready
         workers: list[dict[str, str]] = []
         if redis_ok:
             with contextlib.suppress(Exception):
                 workers = await asyncio.wait_for(self.hub.workers(), timeout=2)
                 self._learn(workers)
-        ok = redis_ok and bool(workers)
-        return ok, {"ok": ok, "redis": redis_ok, "workers": workers,
+        ok = redis_ok and pubsub_ok and bool(workers)
+        return ok, {"ok": ok, "redis": redis_ok, "pubsub": pubsub_ok, "workers": workers,
                     "connections": len(self.sessions)}
 
     def live(self) -> dict[str, Any]:

@@ -1,0 +1,226 @@
+"""The gateway under faults, against a real redis-server it restarts: it serves again within seconds
+of Redis coming back and says it cannot serve (`/readyz` 503) while it cannot; an id whose job was
+never pushed is not stranded. The worker's side is played by the test (as in test_gateway.py): it
+reads the pushed jobs, writes their events and keeps a heartbeat alive."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import time
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from test_gateway import NAMES, config, done, emit, recv, send, tokens
+from websockets.asyncio.client import connect
+
+from clients.protocol import decode_job
+from workers.gateway.server import Gateway, running_gateway
+from workers.redis_server import RedisServer
+
+TOKENS = 20
+
+
+class FakeWorker:
+    """Answers every job pushed to the requests stream with TOKENS tokens and a `done`, a few ms
+    apart, through any number of Redis restarts; beats so /readyz sees a live worker."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def run(self) -> None:
+        last = "0-0"
+        while True:
+            r = aioredis.Redis.from_url(self.url, socket_timeout=5)
+            try:
+                while True:
+                    await self._beat(r)
+                    for _, entries in await r.xread({NAMES.requests: last}, block=200, count=200) or []:
+                        for entry_id, fields in entries:
+                            last = entry_id
+                            task = asyncio.create_task(self._answer(decode_job(fields).id))
+                            self.tasks.add(task)
+                            task.add_done_callback(self.tasks.discard)
+            except (OSError, aioredis.ConnectionError, aioredis.TimeoutError):
+                await asyncio.sleep(0.1)
+            finally:
+                await r.aclose()
+
+    async def _beat(self, r: aioredis.Redis) -> None:
+        seconds, micros = await r.time()
+        await r.zadd(NAMES.heartbeats, {"fake": seconds * 1000 + micros // 1000})
+        await r.hset(NAMES.worker("fake"), mapping={"model": "m", "max_model_len": 4096})
+        await r.expire(NAMES.worker("fake"), 15)
+
+    async def _answer(self, rid: str) -> None:
+        r = aioredis.Redis.from_url(self.url, socket_timeout=5)
+        try:
+            for events in [tokens(rid, range(s, s + 1)) for s in range(TOKENS)] + [[done(rid, TOKENS)]]:
+                await asyncio.sleep(0.05)
+                while True:  # the explicit entry ids make a retry harmless, as for the real worker
+                    try:
+                        await emit(r, rid, events)
+                        break
+                    except (OSError, aioredis.ConnectionError, aioredis.TimeoutError, aioredis.ResponseError):
+                        await asyncio.sleep(0.1)
+        finally:
+            await r.aclose()
+
+
+async def ready(gw: Gateway) -> int:
+    async with httpx.AsyncClient(timeout=5) as c:
+        return (await c.get(gw.url + "readyz")).status_code
+
+
+async def one_ws_request(gw: Gateway, rid: str) -> list[dict[str, Any]]:
+    """A `/ws` request to its end: its events, or the error frame that refused it."""
+    async with connect(gw.ws_url, open_timeout=5) as ws:
+        await send(ws, {"type": "generate", "id": rid, "prompt": "x"})
+        first = await recv(ws, timeout=10)
+        if first["type"] == "error":
+            return [first]
+        events = []
+        while not events or events[-1]["type"] not in ("done", "error"):
+            events.append(await recv(ws, timeout=10))
+        return events
+
+
+async def one_sse_request(client: httpx.AsyncClient) -> int:
+    """A streamed completion to its end; its status."""
+    body = {"model": "m", "prompt": "x", "max_tokens": TOKENS, "stream": True}
+    async with client.stream("POST", "v1/completions", json=body) as resp:
+        async for _ in resp.aiter_lines():
+            pass
+        return resp.status_code
+
+
+async def load(gw: Gateway, stop: asyncio.Event, outcomes: list[tuple[float, bool]]) -> None:
+    """One client sending streamed completions back to back, recording when each ended and whether
+    it was served whole."""
+    async with httpx.AsyncClient(base_url=gw.url, timeout=20) as client:
+        while not stop.is_set():
+            try:
+                ok = await one_sse_request(client) == 200
+            except httpx.HTTPError:
+                ok = False
+            outcomes.append((time.monotonic(), ok))
+            if not ok:
+                await asyncio.sleep(0.1)
+
+
+@pytest.mark.anyio
+async def test_the_gateway_serves_again_within_seconds_after_redis_restarts_under_load_twice() -> None:
+    with RedisServer(appendonly=True) as own:
+        async with running_gateway(config(own.url, routing="shared")) as gw:
+            worker = asyncio.create_task(FakeWorker(own.url).run())
+            stop = asyncio.Event()
+            outcomes: list[tuple[float, bool]] = []
+            clients = [asyncio.create_task(load(gw, stop, outcomes)) for _ in range(200)]
+            back = time.monotonic()
+            try:
+                for restart in range(2):
+                    # Streams in flight, subscriptions coming and going.
+                    await asyncio.wait_for(_until(functools.partial(_served_since, outcomes, back), True), 30)
+                    own.stop()
+                    down = await asyncio.wait_for(_until(lambda: ready(gw), 503), 10)
+                    assert down == 503, "/readyz must say the gateway cannot serve while Redis is away"
+                    await asyncio.sleep(5)  # as long as the restart the gateway never recovered from
+                    await asyncio.to_thread(own.start)
+                    back = time.monotonic()
+                    # Within seconds: ready again, and a fresh request through each API served whole.
+                    await asyncio.wait_for(_until(lambda: ready(gw), 200), 15)
+                    events = await asyncio.wait_for(one_ws_request(gw, f"after-{restart}"), 15)
+                    assert [e["type"] for e in events] == ["token"] * TOKENS + ["done"], events
+                    await asyncio.wait_for(_until(functools.partial(_served_since, outcomes, back), True), 15)
+                await asyncio.sleep(4)
+                settled = time.monotonic() - 3
+            finally:
+                stop.set()
+                for task in [*clients, worker]:
+                    task.cancel()
+                # Not gather: a redis-py read cut by a cancel can outlive it for a while.
+                await asyncio.wait([*clients, worker], timeout=5)
+            late = [ok for t, ok in outcomes if t > settled]
+            assert late and all(late), f"{late.count(False)} of {len(late)} requests failed after the restarts"
+
+
+async def _served_since(outcomes: list[tuple[float, bool]], since: float) -> bool:
+    return sum(1 for t, ok in outcomes if ok and t > since) >= 20
+
+
+async def _until(probe: Any, want: Any) -> Any:
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            got = await probe()
+            if got == want:
+                return got
+        await asyncio.sleep(0.2)
+
+
+def _silence_subscribes(pubsub: Any) -> Any:
+    """A pub/sub whose SUBSCRIBE never reaches Redis, so nothing is ever confirmed on it: the
+    connection seen wedged after Redis restarts under load."""
+    async def silent(*channels: Any) -> None:
+        await pubsub.connect()
+
+    pubsub.subscribe = silent
+    return pubsub
+
+
+@pytest.mark.anyio
+async def test_many_requests_on_a_wedged_pubsub_replace_it_once_and_all_go_on(redis_url: str) -> None:
+    """Fifty requests waiting on a wedged connection at once: it is replaced once (each replacing it
+    by itself dropped the others' confirmations, and the gateway stayed broken), and every one of
+    them is accepted and streams live."""
+    r = aioredis.Redis.from_url(redis_url)
+    async with running_gateway(config(redis_url, idle_poll_s=60.0)) as gw:
+        _silence_subscribes(gw.hub.relay.pubsub)
+        generation = gw.hub.relay.generation
+
+        async def one(i: int) -> list[dict[str, Any]]:
+            async with connect(gw.ws_url) as ws:
+                await send(ws, {"type": "generate", "id": f"s{i}", "prompt": "x"})
+                first = await recv(ws, timeout=20)
+                assert first["type"] == "accepted", first
+                await emit(r, f"s{i}", tokens(f"s{i}", range(0, 2)) + [done(f"s{i}", 2)])
+                return [await recv(ws, timeout=10) for _ in range(3)]
+
+        results = await asyncio.gather(*(one(i) for i in range(50)))
+        assert all([e["type"] for e in events] == ["token", "token", "done"] for events in results)
+        assert gw.hub.relay.generation == generation + 1
+        assert await ready(gw) == 503  # no worker's heartbeat: never ready, but it must say why
+    await r.aclose()
+
+
+@pytest.mark.anyio
+async def test_readyz_is_503_while_the_pubsub_cannot_confirm_subscriptions(redis_url: str) -> None:
+    """Redis answers commands but no subscription is confirmed: the gateway cannot relay a single
+    event, so it must not read as ready; it does again once a connection works."""
+    async with running_gateway(config(redis_url, idle_poll_s=60.0)) as gw:
+        await FakeWorker(redis_url)._beat(gw.hub.redis)
+        assert await ready(gw) == 200
+        make_pubsub = gw.hub.redis.pubsub
+        gw.hub.redis.pubsub = lambda: _silence_subscribes(make_pubsub())  # every new connection wedged too
+        _silence_subscribes(gw.hub.relay.pubsub)
+        async with connect(gw.ws_url) as ws:
+            await send(ws, {"type": "generate", "id": "w1", "prompt": "x"})
+            refused = await recv(ws, timeout=20)
+            assert (refused["type"], refused["code"]) == ("error", "redis_unavailable"), refused
+            status, body = await _readyz(gw)
+            assert status == 503 and body["pubsub"] is False and body["redis"] is True, body
+            gw.hub.redis.pubsub = make_pubsub
+            await send(ws, {"type": "generate", "id": "w2", "prompt": "x"})
+            assert (await recv(ws, timeout=20))["type"] == "accepted"
+            await FakeWorker(redis_url)._beat(gw.hub.redis)  # the first beat is over 15 s old by now
+            status, body = await _readyz(gw)
+            assert status == 200 and body["pubsub"] is True, body
+
+
+async def _readyz(gw: Gateway) -> tuple[int, dict[str, Any]]:
+    async with httpx.AsyncClient(timeout=5) as c:
+        resp = await c.get(gw.url + "readyz")
+        return resp.status_code, resp.json()
