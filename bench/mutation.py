@@ -109,8 +109,8 @@ TARGETS: dict[str, Target] = {
     "names": Target("clients/names.py", ("tests/test_names.py", "tests/test_protocol.py",
                                          "tests/test_serving_boundaries.py", "tests/test_routing.py")),
     # The routing decision (pure functions) and the take script that charges tenants.
-    "routing": Target("clients/routing.py", ("tests/test_routing.py", "tests/test_router.py",
-                                             "tests/test_serving_boundaries.py")),
+    "routing": Target("clients/routing.py", ("tests/test_routing.py", "tests/test_routing_spec.py",
+                                             "tests/test_router.py", "tests/test_serving_boundaries.py")),
     "accounting": Target("workers/worker/accounting.py", ("tests/test_accounting.py", "tests/test_routing.py",
                                                           "tests/test_serving_boundaries.py")),
     "streams": Target("workers/worker/streams.py", ("tests/test_serving_boundaries.py",

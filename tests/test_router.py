@@ -5,13 +5,15 @@ writes (docs/scheduling.md); the decision itself is tested as a pure function in
 
 from __future__ import annotations
 
+import random
 from collections.abc import AsyncIterator
 
+import anyio
 import pytest
 import redis.asyncio as aioredis
 
 from clients.names import DEFAULT_LANE_RANK, Names
-from clients.routing import Route, Router, prefix_chain
+from clients.routing import Decision, Route, Router, WorkerView, choose, matched_tokens, prefix_chain
 
 NAMES = Names(lanes=(-1,))
 SEATS = 2
@@ -26,14 +28,16 @@ async def r(redis_url: str) -> AsyncIterator[aioredis.Redis]:
     await client.aclose()
 
 
-async def worker(r: aioredis.Redis, name: str, seats: int = SEATS, holds: int = 0, shared_jobs: int = 0,
-                 routed_jobs: int = 0) -> None:
+async def worker(r: aioredis.Redis, name: str, seats: int | None = SEATS, holds: int = 0,
+                 shared_jobs: int | None = 0, routed_jobs: int = 0) -> None:
     """A live worker as its heartbeats, stats, advert and own stream show it: `holds` leading
-    segments of CHAIN in its cache, `shared_jobs` taken from the lanes, `routed_jobs` in its stream."""
+    segments of CHAIN in its cache, `shared_jobs` taken from the lanes, `routed_jobs` in its stream
+    (None: the field is missing, as from a worker of another version or one that has not flushed yet)."""
     seconds, micros = await r.time()
     await r.zadd(NAMES.heartbeats, {name: seconds * 1000 + micros // 1000})
-    await r.hset(NAMES.worker(name), mapping={"max_num_seqs": seats})
-    await r.hset(NAMES.loads, name, shared_jobs)
+    await r.hset(NAMES.worker(name), mapping={"tp": 1} if seats is None else {"max_num_seqs": seats})
+    if shared_jobs is not None:
+        await r.hset(NAMES.loads, name, shared_jobs)
     if holds:
         await r.sadd(NAMES.worker_prefixes(name), *(s.digest for s in CHAIN[:holds]))
     for i in range(routed_jobs):
@@ -45,8 +49,8 @@ def lane(job: dict, outcome: str) -> Route:
         Route(f"{NAMES.requests}:prio-1", -1, outcome)
 
 
-async def route(r: aioredis.Redis, job: dict = JOB, policy: str = "cache_load") -> Route:
-    router = Router(r, NAMES, policy, refresh_s=0.0)
+async def route(r: aioredis.Redis, job: dict = JOB, policy: str = "cache_load", **options: int) -> Route:
+    router = Router(r, NAMES, policy, refresh_s=0.0, **options)
     got = await router.route(job)
     assert router.outcomes[got.outcome] == 1 and sum(router.outcomes.values()) == 1
     return got
@@ -102,7 +106,7 @@ async def test_a_miss_waits_in_its_lane_and_tenant_queue(r: aioredis.Redis) -> N
 
 @pytest.mark.anyio
 async def test_sharded_streams_spread_by_id_and_never_route(r: aioredis.Redis) -> None:
-    sharded = Names(shards=3)
+    sharded = Names(shards=2)
     await worker(r, "w-a", holds=4)
     await worker(r, "w-b")
     got = await Router(r, sharded, refresh_s=0.0).route(JOB)
@@ -113,3 +117,84 @@ def test_an_unknown_policy_is_refused_naming_the_known_ones() -> None:
     with pytest.raises(ValueError, match="^routing policy must be one of cache_load, cache, least_loaded, random, "
                                          "shared$"):
         Router(None, NAMES, "nearest")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("seats", "shared_jobs", "routed_jobs", "room"), [
+    (1, 1, 0, True), (1, 2, 0, False),  # one seat: 1 job is a load of 1.0 (room), 2 are 2.0 (full)
+    (None, 2, 0, False),  # no seat count: one seat
+    (1, None, 1, True), (1, 0, 1, True),  # no or a zero lane count: only its own stream counts
+])
+async def test_load_at_the_edges_of_what_the_workers_wrote(r: aioredis.Redis, seats: int | None,
+                                                           shared_jobs: int | None, routed_jobs: int,
+                                                           room: bool) -> None:
+    await worker(r, "w-a", seats=seats, holds=4, shared_jobs=shared_jobs, routed_jobs=routed_jobs)
+    await worker(r, "w-b")
+    got = await route(r)
+    assert got == (Route(NAMES.worker_requests("w-a"), None, "hit", "w-a") if room else lane(JOB, "fallback"))
+
+
+@pytest.mark.anyio
+async def test_damaged_keys_count_as_nothing_known_not_as_a_failure(r: aioredis.Redis) -> None:
+    """Keys of the wrong type (written by hand, or by another program on a shared Redis): the router
+    routes on what it could read."""
+    await worker(r, "w-a", holds=4)
+    await worker(r, "w-b", routed_jobs=1)
+    await r.delete(NAMES.loads, NAMES.worker_prefixes("w-a"))
+    await r.set(NAMES.loads, "not a hash")
+    await r.set(NAMES.worker_prefixes("w-a"), "not a set")
+    await r.set(NAMES.session(""), "w-b")  # a job without a session has no owner, whatever is stored
+    assert await route(r, min_match_tokens=1) == lane(JOB, "miss")
+
+
+@pytest.mark.anyio
+async def test_the_routers_own_settings_are_used(r: aioredis.Redis) -> None:
+    await worker(r, "w-a", holds=1, shared_jobs=5)  # 64 tokens, and full
+    await worker(r, "w-b")
+    assert await route(r, min_match_tokens=128) == lane(JOB, "miss")
+    assert await route(r, policy="cache") == Route(NAMES.worker_requests("w-a"), None, "hit", "w-a")  # load ignored
+
+
+@pytest.mark.anyio
+async def test_the_live_workers_are_read_again_after_half_a_second(r: aioredis.Redis) -> None:
+    await worker(r, "w-a", holds=4)
+    router = Router(r, NAMES)
+    assert await router.route(JOB) == lane(JOB, "shared")  # alone
+    await worker(r, "w-b")
+    assert await router.route(JOB) == lane(JOB, "shared")  # not looked again yet
+    await anyio.sleep(0.6)
+    assert await router.route(JOB) == Route(NAMES.worker_requests("w-a"), None, "hit", "w-a")
+    assert router.outcomes == {"session": 0, "hit": 1, "miss": 0, "fallback": 0, "shared": 2, "balanced": 0}
+
+
+VIEWS = [WorkerView(f"w{i}", i / 10) for i in range(10)]
+
+
+def test_each_policy_names_its_outcome() -> None:
+    assert choose("shared", VIEWS) == Decision(None, "shared") == choose("cache_load", [])
+    for seed in range(5):  # the given generator draws, not the global one
+        assert choose("random", VIEWS, rng=random.Random(seed)) == \
+            Decision(random.Random(seed).choice(VIEWS).name, "balanced")
+    tie = [WorkerView("b", 0.5), WorkerView("a", 0.5), WorkerView("c", 0.9)]
+    assert choose("least_loaded", tie) == Decision("a", "balanced")
+
+
+def test_cache_takes_the_longest_match_then_the_lighter_at_the_minimum() -> None:
+    at_min = [WorkerView("a", 0.9, 64), WorkerView("b", 0.2, 64), WorkerView("c", 0.0, 10)]
+    assert choose("cache", at_min) == Decision("b", "hit")
+    assert choose("cache", [WorkerView("a", 0.0, 63)]) == Decision(None, "miss")
+
+
+def test_cache_load_at_its_edges() -> None:
+    assert choose("cache_load", [WorkerView("a", 0.0, 64), WorkerView("b", 0.0, 0)]) == Decision("a", "hit")
+    # matched x (1 - load): 100 x 0.5 < 70 x 1.0
+    assert choose("cache_load", [WorkerView("a", 0.5, 100), WorkerView("b", 0.0, 70)]) == Decision("b", "hit")
+    # A session whose worker is gone routes as if it had none.
+    assert choose("cache_load", [WorkerView("a", 0.0, 80)], session_owner="gone") == Decision("a", "hit")
+    # The only holder, exactly at the minimum, is full: anyone may take it.
+    assert choose("cache_load", [WorkerView("a", 1.5, 64), WorkerView("b", 0.0, 0)]) == Decision(None, "fallback")
+
+
+def test_a_match_is_read_over_the_shorter_of_chain_and_reply() -> None:
+    assert matched_tokens(CHAIN[:2], [1, 1, 1]) == CHAIN[1].tokens
+    assert matched_tokens(CHAIN, [1, 1]) == CHAIN[1].tokens
