@@ -14,7 +14,7 @@ from redis_worker_helpers import running_worker, wait_for
 from clients.names import Names
 from clients.redis_client import AsyncClient
 from streamer.outputs import StepRecord
-from workers.worker.steps import RING, SlowSteps, TraceConfig
+from workers.worker.steps import RING, SlowSteps, TraceConfig, slow_step_line
 
 
 def record(i: int, execute_s: float) -> StepRecord:
@@ -38,6 +38,22 @@ def test_only_a_step_over_the_threshold_is_traced() -> None:
 def slow_p99_before(records: list[StepRecord]) -> float:
     totals = sorted(r.total_s for r in records)
     return totals[min(len(totals) - 1, int(0.99 * len(totals)))]
+
+
+def test_the_log_gets_one_short_line_per_slow_step() -> None:
+    """A terminal running `streamer up` shows the warning: one line naming the step, its time, what
+    it held, where the time went and where the whole trace is, not the trace's JSON."""
+    slow = SlowSteps(TraceConfig(factor=3.0, floor_s=0.02, min_steps=50), "w1")
+    slow.observe([record(i, 0.010) for i in range(1, 200)])
+    prefill = StepRecord(200, 1200.0, 18, 2048, 2042, schedule_s=0.001, execute_s=3.5, process_s=0.002)
+    (trace,) = slow.observe([prefill])
+    line = slow_step_line(trace, "llm:traces")
+    assert "\n" not in line and len(line) < 240, line
+    assert line.startswith("slow step 200: 3.50 s (p99 0.01 s), 2048 tokens of 18 sequences (2042 of prompts)")
+    assert "most in execute 3.50 s" in line  # no phases recorded (a tensor-parallel executor): the whole
+    phased = {**trace, "breakdown": {**trace["breakdown"], "prepare_s": 0.1, "forward_s": 3.3, "sample_s": 0.1}}
+    assert "most in forward 3.30 s" in slow_step_line(phased, "llm:traces")
+    assert line.endswith("trace in llm:traces (streamer top)")
 
 
 def test_nothing_is_slow_before_the_normal_is_known_nor_under_the_floor() -> None:

@@ -102,12 +102,25 @@ class StepMonitor:
             sink(records)
         for trace in self.slow.observe(records, self.event_writes()):
             text = json.dumps(trace, separators=(",", ":"))
-            log.warning("slow step: %s", text)
+            log.warning("%s", slow_step_line(trace, self.names.traces))
             try:
                 await self.redis.xadd(self.names.traces, {"json": text}, maxlen=TRACES_MAX_LEN, approximate=True)
                 self.traces_written += 1
-            except TRANSIENT as e:  # the log line has it
-                log.debug("slow-step trace not written to Redis: %r", e)
+            except TRANSIENT as e:  # then the log has the whole trace, at debug level
+                log.debug("slow-step trace not written to Redis (%r): %s", e, text)
+
+
+def slow_step_line(trace: dict[str, Any], stream: str) -> str:
+    """One short line for the log (a terminal running `streamer up` shows it): the whole trace, with
+    the steps around it, is in Redis for `streamer top`."""
+    step = trace["steps"][-1] if trace["steps"] else {}
+    parts = trace["breakdown"]
+    split = "forward_s" in parts  # execute_s split into its phases: name the phase
+    slowest = max((k for k in parts if not (split and k == "execute_s")), key=lambda k: parts[k])
+    return (f"slow step {trace['step']}: {trace['total_s']:.2f} s (p99 {trace['p99_s']:.2f} s), "
+            f"{step.get('num_tokens', '?')} tokens of {step.get('num_seqs', '?')} sequences "
+            f"({step.get('num_prefill_tokens', '?')} of prompts), most in {slowest.removesuffix('_s')} "
+            f"{parts[slowest]:.2f} s; trace in {stream} (streamer top)")
 
 
 def _breakdown(r: StepRecord, event_write_s: float) -> dict[str, float]:
