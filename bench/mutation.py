@@ -113,8 +113,7 @@ TARGETS: dict[str, Target] = {
                                              "tests/test_router.py", "tests/test_serving_boundaries.py")),
     "accounting": Target("workers/worker/accounting.py", ("tests/test_accounting.py", "tests/test_routing.py",
                                                           "tests/test_serving_boundaries.py")),
-    "streams": Target("workers/worker/streams.py", ("tests/test_serving_boundaries.py",
-                                                    "tests/test_worker_deliveries.py")),
+    "streams": Target("workers/worker/streams.py", ("tests/test_stream_set.py", "tests/test_serving_boundaries.py")),
     # A job's life in the worker: deliveries, dead letters, bad jobs, its answer.
     "job": Target("workers/worker/job.py", ("tests/test_worker_deliveries.py", "tests/test_worker_bad_input.py",
                                             "tests/test_dead_letters.py")),

@@ -1,0 +1,106 @@
+"""The order a worker takes jobs in (workers/worker/streams.py, docs/scheduling.md), on its own against a
+real redis-server: its own stream, then the lanes from the most urgent, inside a lane the tenant whose
+service per unit of share is least; a tenant back from idle starts at most a burst behind; a registry
+that changed and groups Redis lost are found again. The submitters' side is the real AsyncClient."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from clients.names import Names
+from clients.protocol import decode_job, encode_job
+from clients.redis_client import AsyncClient
+from workers.worker.streams import BURST_TOKENS, CHARGE_TOKENS, NO_TENANT, StreamSet
+
+NAMES = Names(lanes=(-1,))
+ME = "w-1"
+
+
+@pytest.fixture
+async def r(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[AsyncClient]:
+    async with AsyncClient(redis_url, names=NAMES, routing="shared") as c:
+        yield c
+
+
+async def take_ids(streams: StreamSet, count: int) -> list[str]:
+    return [decode_job(t.fields).id for t in await streams.take(count)]
+
+
+@pytest.mark.anyio
+async def test_own_stream_then_the_urgent_lane_then_the_default(r: aioredis.Redis, client: AsyncClient) -> None:
+    await client.submit("x", id="default")
+    await client.submit("x", id="urgent", priority=-1)
+    await r.xadd(NAMES.worker_requests(ME), encode_job({"id": "routed", "prompt": "x"}))
+    streams = StreamSet(r, NAMES, ME)
+    taken = await streams.take(5)
+    assert [(decode_job(t.fields).id, t.tenant, t.charged) for t in taken] == [
+        ("routed", NO_TENANT, CHARGE_TOKENS), ("urgent", NO_TENANT, CHARGE_TOKENS),
+        ("default", NO_TENANT, CHARGE_TOKENS)]
+    assert [t.stream for t in taken] == [NAMES.worker_requests(ME), f"{NAMES.requests}:prio-1", NAMES.requests]
+    assert await streams.take(5) == []
+    pending = await r.xpending(NAMES.requests, NAMES.group)
+    assert pending["pending"] == 1 and pending["consumers"] == [{"name": ME.encode(), "pending": 1}]
+
+
+@pytest.mark.anyio
+async def test_tenants_are_served_by_their_shares(r: aioredis.Redis, client: AsyncClient) -> None:
+    await r.hset(NAMES.tenants, mapping={"small": 1, "big": 3})
+    for i in range(12):
+        await client.submit("x", id=f"small-{i}", tenant="small")
+        await client.submit("x", id=f"big-{i}", tenant="big")
+    streams = StreamSet(r, NAMES, ME)
+    order = [rid for _ in range(8) for rid in await take_ids(streams, 1)]
+    assert Counter(rid.split("-")[0] for rid in order) == {"big": 6, "small": 2}
+    assert [int(rid.split("-")[1]) for rid in order if rid.startswith("big")] == list(range(6))  # in order
+    service = {k.decode(): float(v) for k, v in (await r.hgetall(NAMES.service)).items()}
+    assert service["small"] == 2 * CHARGE_TOKENS and service["big"] == pytest.approx(6 * CHARGE_TOKENS / 3)
+    # Several at once take the same turns as one at a time.
+    many = StreamSet(r, NAMES, "w-2")
+    assert Counter(rid.split("-")[0] for rid in await take_ids(many, 8)) == {"big": 6, "small": 2}
+
+
+@pytest.mark.anyio
+async def test_a_tenant_back_from_idle_starts_a_burst_behind(r: aioredis.Redis, client: AsyncClient) -> None:
+    await r.hset(NAMES.service, mapping={"~clock": 100_000, "busy": 100_000})
+    await client.submit("x", id="late", tenant="idle")
+    streams = StreamSet(r, NAMES, ME)
+    assert await take_ids(streams, 1) == ["late"]
+    assert float(await r.hget(NAMES.service, "idle")) == 100_000 - BURST_TOKENS + CHARGE_TOKENS
+
+
+@pytest.mark.anyio
+async def test_a_changed_registry_and_lost_groups_are_found_again(r: aioredis.Redis, client: AsyncClient) -> None:
+    streams = StreamSet(r, NAMES, ME)
+    assert await streams.take(1) == []  # registry read, groups made
+    await client.submit("x", id="new-tenant", tenant="acme")  # a queue the registry did not hold then
+    assert await take_ids(streams, 1) == ["new-tenant"]
+    await client.submit("x", id="after-loss", tenant="acme")
+    queue = NAMES.tenant_stream(NAMES.requests, "acme")
+    await r.xgroup_destroy(queue, NAMES.group)  # Redis lost it (a restart without persistence)
+    assert await streams.take(1) == []  # the group is made again, from id 0: every entry is new to it
+    assert await take_ids(streams, 2) == ["new-tenant", "after-loss"]
+
+
+@pytest.mark.anyio
+async def test_waiting_takes_one_entry_uncharged_with_its_tenant(r: aioredis.Redis, client: AsyncClient) -> None:
+    streams = StreamSet(r, NAMES, ME)
+    await streams.refresh(force=True)
+    assert await streams.wait_any(50) == []  # nothing yet: back after the block
+    await client.submit("x", id="first", tenant="acme")
+    await client.submit("x", id="second", tenant="acme")
+    await streams.refresh(force=True)
+    (taken,) = await streams.wait_any(1000)
+    assert (decode_job(taken.fields).id, taken.tenant, taken.charged) == ("first", "acme", 0.0)
+    assert taken.stream == NAMES.tenant_stream(NAMES.requests, "acme")
+    assert await r.hget(NAMES.service, "acme") is None  # charged only at its end
