@@ -177,9 +177,12 @@ async def _main(args: argparse.Namespace, url: str) -> dict[str, Any]:
                 raise SystemExit("the worker did not start (see its log)")
             await asyncio.sleep(0.2)
         common = {"victims": args.victims, "n": args.n, "schemas": args.schemas, "max_s": args.max_s}
-        baseline = await run_phase(client, hostile=False, **common)
+        baseline = await run_phase(client, hostile=False, baseline_s=args.baseline_s, **common)
         hostile = await run_phase(client, hostile=True, **common)
-    return report(baseline, hostile)
+        again = await run_phase(client, hostile=False, baseline_s=args.baseline_s, **common)  # load drift
+    result = report(baseline, hostile)
+    result["baseline_after"] = report(again, hostile)["baseline"]
+    return result
 
 
 def main() -> None:
@@ -195,6 +198,7 @@ def main() -> None:
     p.add_argument("--compile-timeout-s", type=float, default=10.0)
     p.add_argument("--num-kv-blocks", type=int, default=0)
     p.add_argument("--max-s", type=float, default=300.0, help="longest a phase waits for the hostile answers")
+    p.add_argument("--baseline-s", type=float, default=10.0, help="how long the victims are measured alone")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp, RedisServer() as server:
