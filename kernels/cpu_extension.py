@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -26,12 +27,13 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 
 
 def _cpu_signature() -> str:
-    """Built with -march=native, so a build cache must never be shared across CPU models; and per
-    source path, since the build files name it (two checkouts sharing one would rebuild in turn)."""
+    """Built with -march=native, so a build cache must never be shared across CPU models. Keyed by
+    the sources' content and the flags, not their path: the build compiles copies of them kept in
+    its own directory, so every checkout of the same sources shares one build."""
     key = cpu_signature_text() + torch.__version__ + " ".join(_CFLAGS)
     key += "".join(header.read_text() for header in sorted(_CSRC.glob("*.h")))
     for source in _SOURCES:
-        key += source.read_text() + str(source.resolve())
+        key += source.name + source.read_text()
     return hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
@@ -60,18 +62,37 @@ def load() -> Any | None:
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        with _one_builder(build_directory()):
-            return load_extension(
-                name=f"streamer_cpu_kernels_{_cpu_signature()}",
-                sources=[str(s) for s in _SOURCES],
-                extra_include_paths=[str(_CSRC)],
-                extra_cflags=_CFLAGS,
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
+        name = f"streamer_cpu_kernels_{_cpu_signature()}"
+        build_dir = build_directory()
+        with _one_builder(build_dir):
+            sources = _staged_sources(build_dir)
+            fresh = not (build_dir / f"{name}.so").exists()
+            if fresh:  # minutes on a small machine: say so, a worker's start would look stuck
+                log.warning("compiling the CPU kernels once (a few minutes on 2 cores; later starts, from any "
+                            "checkout of the same sources, reuse the build in %s)", build_dir)
+            started = time.monotonic()
+            built = load_extension(name=name, sources=[str(s) for s in sources],
+                                   extra_include_paths=[str(sources[0].parent)], extra_cflags=_CFLAGS,
+                                   extra_ldflags=["-fopenmp"], verbose=False)
+            if fresh:
+                log.warning("CPU kernels compiled in %.0f s", time.monotonic() - started)
+            return built
     except Exception as exc:  # no compiler / headers: the references still work
         log.warning("CPU kernels unavailable (%s); using the torch references", exc)
         return None
+
+
+def _staged_sources(build_dir: Path) -> list[Path]:
+    """Copies of the sources and headers in the build directory, rewritten only when their content
+    changed (an untouched copy keeps its time, so ninja does not rebuild)."""
+    staged = build_dir / "src"
+    staged.mkdir(exist_ok=True)
+    for source in [*_SOURCES, *sorted(_CSRC.glob("*.h"))]:
+        copy = staged / source.name
+        text = source.read_bytes()
+        if not copy.exists() or copy.read_bytes() != text:
+            copy.write_bytes(text)
+    return [staged / s.name for s in _SOURCES]
 
 
 def module() -> Any:

@@ -293,3 +293,31 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load(tmp_p
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.strip() == "True", out.stderr[-2000:]
+
+
+def test_a_second_checkout_of_the_same_sources_reuses_the_build(tmp_path):
+    """The build is keyed by the sources' content and the flags, not their path: a copy of kernels/
+    elsewhere (another clone) finds the first checkout's build and compiles nothing."""
+    import shutil
+
+    load()
+    clone = tmp_path / "elsewhere" / "kernels"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "kernels", clone,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    code = """
+import importlib.util, logging, sys, time
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+spec = importlib.util.spec_from_file_location("cloned_cpu_extension", sys.argv[1])
+cloned = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(cloned)
+from streamer_kernels import cpu_extension
+start = time.monotonic()
+built = cloned.load()
+print(cloned.build_directory() == cpu_extension.build_directory(), built is not None, time.monotonic() - start)
+"""
+    out = subprocess.run([sys.executable, "-c", code, str(clone / "cpu_extension.py")], capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).resolve().parents[1])
+    same_dir, loaded, seconds = out.stdout.split()
+    assert (same_dir, loaded) == ("True", "True"), out.stderr[-2000:]
+    assert "compiling" not in out.stderr, out.stderr[-2000:]
+    assert float(seconds) < 30
