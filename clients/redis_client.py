@@ -22,7 +22,7 @@ from redis.exceptions import ResponseError
 
 from clients.backoff import TRANSIENT, Backoff, retry
 from clients.chat_messages import merge_tool_call_deltas
-from clients.errors import NoWorker, RequestFailed, UnknownRequest, redact_url
+from clients.errors import NoWorker, ProtocolError, RequestFailed, UnknownRequest, redact_url
 from clients.heartbeats import as_names, live_args, live_script
 from clients.progress import JobStatus, Placement, job_statuses
 from clients.protocol import Names, decode_event, encode_job, event_stream_id
@@ -75,17 +75,22 @@ return 1
 
 
 async def push_job(redis: Any, names: Names, submit: Any, route: Route, request_id: str, field_name: str,
-                   payload: bytes | str) -> Placement:
+                   payload: bytes | str, guard: tuple[list[str], list[Any]] = ([], [])) -> Placement:
     """Push a job onto the stream `route` names and record its owner (`job:{id}`): SUBMIT_SCRIPT, one
     atomic round trip, on a single Redis. On a cluster the stream and `job:{id}` are in different
     slots, so they are separate commands: a client that dies between them leaves a job whose id exists
     only once a worker reads it (until then it cannot be cancelled); nothing else changes.
-    Returns where it waits, with its ordinal there when known (clients/progress.py)."""
+    Returns where it waits, with its ordinal there when known (clients/progress.py).
+    `guard`: keys and arguments a script built on SUBMIT_SCRIPT adds after its own (the gateway's id
+    claim); such a script answers nil when it refuses, raised here as `duplicate_id`."""
     stream, owner = route.stream, names.job(request_id)
     rank = "" if route.rank is None else str(route.rank)
     if not names.cluster:
-        _entry, ordinal = await submit(keys=[stream, owner, names.streams],
-                                       args=[field_name, payload, KEY_TTL_MS, rank, names.group])
+        reply = await submit(keys=[stream, owner, names.streams, *guard[0]],
+                             args=[field_name, payload, KEY_TTL_MS, rank, names.group, *guard[1]])
+        if reply is None:
+            raise ProtocolError("duplicate_id", f"id {request_id!r} is already used by another request", request_id)
+        _entry, ordinal = reply
         return Placement(stream, int(ordinal) if int(ordinal) > 0 else None)
     if rank and await redis.zadd(names.streams, {stream: route.rank}, nx=True):
         with contextlib.suppress(ResponseError):  # BUSYGROUP: another submitter created it

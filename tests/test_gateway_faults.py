@@ -17,7 +17,9 @@ import redis.asyncio as aioredis
 from test_gateway import NAMES, config, done, emit, recv, send, tokens
 from websockets.asyncio.client import connect
 
+from clients.errors import ProtocolError
 from clients.protocol import decode_job
+from workers.gateway import hub as hub_module
 from workers.gateway.server import Gateway, running_gateway
 from workers.redis_server import RedisServer
 
@@ -224,3 +226,74 @@ async def _readyz(gw: Gateway) -> tuple[int, dict[str, Any]]:
     async with httpx.AsyncClient(timeout=5) as c:
         resp = await c.get(gw.url + "readyz")
         return resp.status_code, resp.json()
+
+
+# --- no stranded ids -----------------------------------------------------------------------------
+
+@pytest.mark.anyio
+async def test_an_id_claimed_without_a_job_is_unknown_at_once_and_free_within_seconds(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gateway that claimed an id and died (or lost Redis) before pushing its job: a resume of the id
+    is `unknown_request` at once (it used to wait with no frame at all), and a retry with the same id
+    succeeds once the claim expires (it used to get `duplicate_id` for an hour)."""
+    monkeypatch.setattr(hub_module, "CLAIM_TTL_MS", 1500)
+    async with running_gateway(config(redis_url)) as gw, connect(gw.ws_url) as ws, \
+            httpx.AsyncClient(base_url=gw.url + "v1", timeout=10) as http:
+        for rid in ("d1", "d2"):
+            assert await gw.hub.claim(rid) is not None  # the dead gateway's claim; no push follows
+        await send(ws, {"type": "resume", "id": "d1", "after_seq": -1})
+        refused = await recv(ws, timeout=5)
+        assert (refused["type"], refused["code"]) == ("error", "unknown_request"), refused
+        await send(ws, {"type": "cancel", "id": "d1"})
+        assert (await recv(ws, timeout=5))["code"] == "unknown_request"
+        body = {"model": "m", "prompt": "x", "max_tokens": 2}
+        assert (await http.post("/completions", json=body, headers={"X-Request-Id": "d2"})).status_code == 409
+        await asyncio.sleep(2)
+        await send(ws, {"type": "generate", "id": "d1", "prompt": "x"})
+        assert (await recv(ws))["type"] == "accepted"
+        async with http.stream("POST", "/completions", json={**body, "stream": True},
+                               headers={"X-Request-Id": "d2"}) as resp:
+            assert resp.status_code == 200
+        assert {job.id for job in await _jobs(gw)} == {"d1", "d2"}
+
+
+@pytest.mark.anyio
+async def test_a_push_that_fails_with_redis_leaves_the_id_free_for_the_retry(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The push fails and so does giving the claim back (Redis is away for both): the client's retry
+    with the same id succeeds within seconds, and exactly one job exists."""
+    monkeypatch.setattr(hub_module, "CLAIM_TTL_MS", 1500)
+    async with running_gateway(config(redis_url)) as gw, connect(gw.ws_url) as ws:
+        real_push, real_release = gw.hub.push, gw.hub.release
+
+        async def down(*args: Any) -> Any:
+            raise aioredis.ConnectionError("Redis went away")
+
+        gw.hub.push, gw.hub.release = down, down  # type: ignore[method-assign]
+        await send(ws, {"type": "generate", "id": "f1", "prompt": "x"})
+        assert (await recv(ws))["type"] == "accepted"  # sent once subscribed, just before the push
+        assert (await recv(ws))["code"] == "redis_unavailable"
+        gw.hub.push, gw.hub.release = real_push, real_release  # type: ignore[method-assign]
+        await asyncio.sleep(2)
+        await send(ws, {"type": "generate", "id": "f1", "prompt": "x"})
+        assert (await recv(ws))["type"] == "accepted"
+        assert [job.id for job in await _jobs(gw)] == ["f1"]
+
+
+@pytest.mark.anyio
+async def test_the_push_checks_its_claim_in_the_same_script(redis_url: str) -> None:
+    """Claim and push are one step: a push whose claim another request took over (it expired and was
+    claimed again) is refused as `duplicate_id` and pushes nothing."""
+    async with running_gateway(config(redis_url)) as gw:
+        mine = await gw.hub.claim("c1")
+        assert mine is not None
+        await gw.hub.redis.set(NAMES.gateway_claim("c1"), "someone else's")
+        with pytest.raises(ProtocolError) as refused:
+            await gw.hub.push({"v": 1, "id": "c1", "prompt": "x"}, mine)
+        assert refused.value.code == "duplicate_id"
+        assert await _jobs(gw) == []
+        assert not await gw.hub.redis.exists(NAMES.job("c1"))
+
+
+async def _jobs(gw: Gateway) -> list[Any]:
+    return [decode_job(fields) for _, fields in await gw.hub.redis.xrange(NAMES.requests)]

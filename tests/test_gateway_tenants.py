@@ -216,12 +216,12 @@ async def test_a_failed_push_gives_the_reservation_back(redis_url: str, redis: a
         pushes = 0
 
         async def push_fails_after(n: int) -> Any:
-            async def push(job: dict[str, Any]) -> Any:
+            async def push(job: dict[str, Any], claim: str) -> Any:
                 nonlocal pushes
                 pushes += 1
                 if pushes > n:
                     raise ConnectionError("Redis went away")  # as redis-py raises it
-                return await real_push(job)
+                return await real_push(job, claim)
             return push
 
         gw.hub.push = await push_fails_after(0)  # type: ignore[method-assign]

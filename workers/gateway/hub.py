@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from typing import Any
 
 from clients.backoff import TRANSIENT
@@ -23,6 +24,31 @@ from workers.redis_options import async_client
 
 log = logging.getLogger("streamer.gateway")
 
+# How long an id claimed for a push stays reserved without its job: long enough for admission and
+# the subscription under load, short enough that a claim whose push never happened (the gateway
+# died, Redis went away) frees the id for the client's retry within seconds.
+CLAIM_TTL_MS = 10_000
+
+# Prepended to SUBMIT_SCRIPT (its KEYS[1..3], ARGV[1..5]): KEYS[4] = the gateway's claim, KEYS[5] =
+# events:{id}; ARGV[6] = the claim's token, ARGV[7] = how long the claim lasts once the job exists
+# (ms). Refuses (nil) when another request holds the claim or the id already has a job or events;
+# a claim that expired unseen is simply taken again.
+CLAIM_GUARD = """
+local held = redis.call('GET', KEYS[4])
+if (held and held ~= ARGV[6]) or redis.call('EXISTS', KEYS[2], KEYS[5]) > 0 then
+  return nil
+end
+redis.call('SET', KEYS[4], ARGV[6], 'PX', ARGV[7])
+"""
+
+# Delete a claim only when it is still this push's (KEYS[1] = claim, ARGV[1] = token).
+RELEASE_CLAIM_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
 
 class Hub:
     def __init__(self, redis_url: str, names: Names, metrics: Metrics, *, ttl_s: float = 3600.0,
@@ -34,7 +60,9 @@ class Hub:
                                   health_check_interval=15)
         # The Python client's scripts: a job's id exists from its push on, and only such ids can be
         # cancelled (no key for a made-up id).
-        self._submit = self.redis.register_script(SUBMIT_SCRIPT)
+        self._submit = self.redis.register_script(CLAIM_GUARD + SUBMIT_SCRIPT)
+        self._claim_held = self.redis.register_script(CLAIM_GUARD + "return 1")
+        self._release_claim = self.redis.register_script(RELEASE_CLAIM_SCRIPT)
         self.router = Router(self.redis, names, routing)
         self._cancel_known = self.redis.register_script(CANCEL_SCRIPT)
         self._live_workers = live_script(self.redis)
@@ -74,29 +102,42 @@ class Hub:
     # --- commands ----------------------------------------------------------------------------------
 
     def _claim_key(self, request_id: str) -> str:
-        """Set by the gateway when it pushes a job: duplicate ids are refused before they reach a worker,
-        and a resume of a job still waiting in the queue (no events yet) is told apart from a typo."""
+        """Set by the gateway while it prepares a job's push: duplicate ids are refused before they
+        reach a worker (and before a tenant is charged for them)."""
         return self.names.gateway_claim(request_id)
 
-    async def claim(self, request_id: str) -> bool:
-        """Reserve an id for a job this gateway is about to push. False if it is already in use."""
+    async def claim(self, request_id: str) -> str | None:
+        """Reserve an id for a job this gateway is about to push: a token for `push` and `release`,
+        or None if the id is already in use. The reservation lives CLAIM_TTL_MS: a gateway that
+        dies (or loses Redis) before the push strands the id for seconds, not for --request-ttl."""
+        token = uuid.uuid4().hex
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self._claim_key(request_id), 1, nx=True, px=self.ttl_ms)
+            pipe.set(self._claim_key(request_id), token, nx=True, px=CLAIM_TTL_MS)
             pipe.exists(self.names.events(request_id), self.names.job(request_id))
             claimed, existing = await pipe.execute()
-        return bool(claimed) and not existing
+        return token if claimed and not existing else None
 
-    async def release(self, request_id: str) -> None:
-        """Undo a claim whose job was never pushed (best effort: it expires anyway)."""
-        await self.redis.delete(self._claim_key(request_id))
+    async def release(self, request_id: str, token: str) -> None:
+        """Undo a claim whose job was never pushed (best effort: it expires within seconds anyway)."""
+        await self._release_claim(keys=[self._claim_key(request_id)], args=[token])
 
-    async def push(self, job: dict[str, Any]) -> Placement:
-        """Queue a job (already checked with protocol.parse_job, its id claimed) where the router sends
-        it, recording its entry as the owner of the id (`job:{id}`, as workers do when they read it).
-        Returns where it waits, for `statuses`."""
-        ((field_name, payload),) = encode_job(job, "json").items()
+    async def push(self, job: dict[str, Any], claim: str) -> Placement:
+        """Queue a job (already checked with protocol.parse_job, its id claimed with `claim`) where the
+        router sends it, recording its entry as the owner of the id (`job:{id}`, as workers do when
+        they read it), in one script that first checks the claim is still this push's and makes it
+        last --request-ttl: no moment exists where the id is taken and no job holds it (on a single
+        Redis; a cluster checks the claim in its own slot first, then pushes as any client does).
+        ProtocolError `duplicate_id` when another request took the id. Returns where it waits."""
+        rid = job["id"]
+        ((field_name, payload), ) = encode_job(job, "json").items()
         route = await self.router.route(job)
-        placement = await push_job(self.redis, self.names, self._submit, route, job["id"], field_name, payload)
+        guard = ([self._claim_key(rid), self.names.events(rid)], [claim, self.ttl_ms])
+        # The guard's own keys and arguments sit after SUBMIT_SCRIPT's: the check alone pads those.
+        job_key = self.names.job(rid)
+        if self.names.cluster and not await self._claim_held(keys=[job_key, job_key, job_key, *guard[0]],
+                                                             args=["", "", "", "", "", *guard[1]]):
+            raise ProtocolError("duplicate_id", f"id {rid!r} is already used by another request", rid)
+        placement = await push_job(self.redis, self.names, self._submit, route, rid, field_name, payload, guard)
         self.metrics.inc("requests_total")
         self.metrics.routed(route.outcome)
         return placement
@@ -123,8 +164,9 @@ class Hub:
         return await self.redis.get(self.names.openai_stream(request_id))
 
     async def known(self, request_id: str) -> bool:
-        keys = (self._claim_key(request_id), self.names.events(request_id), self.names.job(request_id))
-        return bool(await self.redis.exists(*keys))
+        """A job was pushed with this id (and its keys live): a claim alone is not a request, so a
+        resume of an id whose push never happened is `unknown_request` at once."""
+        return bool(await self.redis.exists(self.names.events(request_id), self.names.job(request_id)))
 
     async def last_event(self, request_id: str) -> dict[str, Any] | None:
         entries = await self.redis.xrevrange(self.names.events(request_id), count=1)
@@ -150,8 +192,7 @@ class Hub:
     async def cancel(self, request_id: str) -> None:
         """The marker covers a job no worker has read yet; the message reaches the one running it.
         An id nobody submitted (or whose keys expired) gets ProtocolError `unknown_request`, and no key."""
-        keys = [self.names.cancelled(request_id), self._claim_key(request_id), self.names.job(request_id),
-                self.names.events(request_id)]
+        keys = [self.names.cancelled(request_id), self.names.job(request_id), self.names.events(request_id)]
         if not await self._cancel_known(keys=keys, args=[self.names.cancel, request_id, self.ttl_ms]):
             raise ProtocolError("unknown_request", f"no request {request_id!r} to cancel (never submitted, "
                                 "or expired)", request_id)

@@ -10,7 +10,6 @@ duplicate, from any gateway.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -31,6 +30,7 @@ from workers.gateway.openai_request import OpenAIError, OpenAIRequest, bad, pars
 from workers.gateway.openai_response import Assembler, StreamMeta
 from workers.gateway.openai_stream import Position, sse_events
 from workers.gateway.routes import key_ok, request_token
+from workers.gateway.submit import submit_jobs
 from workers.gateway.tenants import RateLimited, tag
 
 log = logging.getLogger("streamer.gateway")
@@ -201,34 +201,26 @@ class OpenAIRoutes:
 
     async def _submit(self, meta: StreamMeta, jobs: list[dict[str, Any]], tenant: str = "") -> JobStream:
         hub = self.gw.hub
-        claimed: list[str] = []
-        pushed: list[str] = []
-        reservation = None
         stream = JobStream(self.gw, meta)
-        try:
-            for job in jobs:
-                if not await hub.claim(job["id"]):
-                    raise OpenAIError(409, f"request id {job['id']!r} is already in use", "X-Request-Id",
-                                      "duplicate_id")
-                claimed.append(job["id"])
-            # All the request's jobs or none, once their ids are ours and before anything is pushed.
-            reservation = await self.gw.gate.admit(tenant, jobs, self.gw.prompt_limit())
+
+        async def subscribe() -> None:
             await hub.save_stream_meta(meta.request_id, meta.dumps())
             await stream.watch(0, catch_up=False)  # subscribed before the jobs exist: no token is missed
             stream.pushed_at = time.monotonic()  # before the push: a token can arrive before it returns
-            for job in jobs:
-                await hub.push(job)
-                pushed.append(job["id"])
-        except BaseException:
+
+        async def undo() -> None:
             stream.close(cancel=False)
-            with contextlib.suppress(Exception):
-                await hub.drop_stream_meta(meta.request_id)
-            for rid in claimed:
-                with contextlib.suppress(Exception):  # a pushed one runs for nobody: cancel it
-                    await (hub.cancel(rid) if rid in pushed else hub.release(rid))
-            with contextlib.suppress(Exception):  # a pushed one's slot is freed by the worker that ends it
-                await self.gw.gate.release(reservation, [job["id"] for job in jobs if job["id"] not in pushed])
+            await hub.drop_stream_meta(meta.request_id)
+
+        try:
+            await submit_jobs(hub, self.gw.gate, tenant, jobs, self.gw.prompt_limit(), subscribe, undo)
+        except RateLimited:
             raise
+        except ProtocolError as e:
+            if e.code != "duplicate_id":
+                raise
+            raise OpenAIError(409, f"request id {e.request_id!r} is already in use", "X-Request-Id",
+                              "duplicate_id") from e
         return stream
 
     # --- answers -----------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ size) is refused here, before the job is pushed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -32,7 +31,8 @@ from workers.gateway.config import GatewayConfig
 from workers.gateway.hub import Hub
 from workers.gateway.metrics import Metrics
 from workers.gateway.socket_conn import SocketClosed, SocketConn
-from workers.gateway.tenants import RateLimited, Reservation, TenantGate, tag
+from workers.gateway.submit import submit_jobs
+from workers.gateway.tenants import RateLimited, TenantGate, tag
 from workers.gateway.watch import FINAL_TYPES, Watch
 
 log = logging.getLogger("streamer.gateway")
@@ -209,39 +209,24 @@ class Session:
                 e.request_id = None
             raise
         self._check_room(rid)
-        if not await self.hub.claim(rid):
-            raise ProtocolError("duplicate_id", f"id {rid!r} is already used by another request", rid)
-        reservation: Reservation | None = None
-        try:
-            # The tenant's limits, after the id is ours (a duplicate costs the tenant nothing) and
-            # before anything is sent or pushed: a refused job never reaches Redis.
-            reservation = await self._admit(job, picked)
-            # Subscribed before the job exists, so the first token cannot be missed.
-            await self._watch(rid, 0, catch_up=False)
+
+        async def subscribe() -> None:
+            await self._watch(rid, 0, catch_up=False)  # before the job exists: no token is missed
             self.send(json.dumps(self._accepted(rid)))
             self._pushed_at[rid] = time.monotonic()  # before the push: a token can arrive before it returns
-            placement = await self.hub.push(job)
-            if frames.wants_progress(obj):
-                self.progress[rid] = placement
-        except BaseException:
-            self._forget(rid)
-            with contextlib.suppress(Exception):  # so that a retry with the same id is not a duplicate
-                await self.hub.release(rid)
-            if reservation is not None and self.gate is not None:
-                with contextlib.suppress(Exception):  # not pushed: its slot and tokens go back (or expire)
-                    await self.gate.release(reservation)
-            raise
 
-    async def _admit(self, job: dict[str, Any], picked: bool) -> Reservation | None:
-        """The job's slot and tokens under its tenant's limits, or RateLimited."""
-        if self.gate is None:
-            return None
+        async def undo() -> None:
+            self._forget(rid)
+
         try:
-            return await self.gate.admit(self.tenant, [job], self.prompt_limit())
+            (placement,) = await submit_jobs(self.hub, self.gate, self.tenant, [job], self.prompt_limit(),
+                                             subscribe, undo)
         except RateLimited as e:
             if picked:  # an id the client never saw names nothing for it
                 e.request_id = None
             raise
+        if frames.wants_progress(obj):
+            self.progress[rid] = placement
 
     async def _resume(self, obj: dict[str, Any]) -> None:
         rid = frames.request_id(obj)
