@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from test_gateway import NAMES, config, recv, send
+from test_gateway import NAMES, config, emit, recv, send, tokens
 from websockets.asyncio.client import ClientConnection, connect
 
 from clients.protocol import Job, decode_job
@@ -286,7 +286,9 @@ async def test_sessions_from_frames_user_and_x_session_id(redis_url: str, redis:
         async with http.stream("POST", "/chat/completions", json=chat,
                                headers={"X-Request-Id": "chat", "X-Session-Id": "h-2"}) as r:
             assert r.status_code == 200
-        expected = {"ws-s": "conv-1", "by-user": "u-1", "by-header": "h-1", "none": "", "chat": "h-2"}
+        # A tenant's sessions are its own (prefixed with its name).
+        expected = {"ws-s": "beta/conv-1", "by-user": "beta/u-1", "by-header": "beta/h-1", "none": "",
+                    "chat": "beta/h-2"}
         for rid, session in expected.items():
             job = await the_job(redis, rid)
             assert (job.session, job.tenant) == (session, "beta"), rid
@@ -323,14 +325,15 @@ def test_one_key_per_line_still_works_and_has_no_tenant(tmp_path: Path) -> None:
 
 
 def test_a_json_or_toml_keys_file_names_tenants(tmp_path: Path) -> None:
-    doc = {"tenants": {"acme": {"share": 3, "max_concurrent": 8, "tokens_per_minute": 200000},
+    doc = {"tenants": {"acme": {"share": 3, "max_concurrent": 8, "tokens_per_minute": 200000, "min_priority": -10},
                        "beta": {"share": 1.5}},
            "keys": {"sk-a1": "acme", "sk-a2": "acme", "sk-b": "beta"}}
-    expected = {"acme": TenantLimits(3.0, 8, 200000), "beta": TenantLimits(1.5, 0, 0)}
+    expected = {"acme": TenantLimits(3.0, 8, 200000, -10), "beta": TenantLimits(1.5, 0, 0)}
     json_file = tmp_path / "keys.conf"  # JSON told by its content
     json_file.write_text(json.dumps(doc))
     toml_file = tmp_path / "keys.toml"
     toml_file.write_text('[tenants.acme]\nshare = 3\nmax_concurrent = 8\ntokens_per_minute = 200000\n'
+                         'min_priority = -10\n'
                          '[tenants.beta]\nshare = 1.5\n[keys]\n"sk-a1" = "acme"\n"sk-a2" = "acme"\n"sk-b" = "beta"\n')
     for path in (json_file, toml_file):
         cfg = gateway_config("--api-keys-file", str(path), "--api-key", "k-flag")
@@ -363,6 +366,8 @@ BAD_FILES = [
     ("keys.json", '["k"]', "must be an object with `tenants` and `keys`"),
     ("keys.toml", '[tenants.t]\nshare = -1\n[keys]\nk = "t"\n', "tenants.t.share must be a positive"),
     ("keys.toml", "[tenants.t\n", "is not valid TOML"),
+    ("keys.json", '{"tenants": {"t": {"min_priority": -1e99}}, "keys": {"k": "t"}}',
+     "tenants.t.min_priority must be a whole number"),
 ]
 
 
@@ -401,3 +406,75 @@ def test_charge_is_the_prompt_plus_the_most_it_may_generate() -> None:
     # No bound on the answer: up to the longest prompt the workers take, or the default if unknown.
     assert charge({"prompt_token_ids": [1] * 10, "params": {"max_tokens": None}}, prompt_limit=100) == 100
     assert charge({"prompt_token_ids": [1] * 10, "params": {"max_tokens": None}}) == 10 + 16
+
+
+# --- isolation -----------------------------------------------------------------------------------
+
+@pytest.mark.anyio
+async def test_a_tenant_cannot_ask_for_a_more_urgent_lane_than_it_is_allowed(redis_url: str,
+                                                                           redis: aioredis.Redis) -> None:
+    """acme may go down to priority -5; beta has the default bound (0): nothing more urgent than
+    everyone's default. Refused on both APIs, nothing pushed; keys without a tenant are not bound."""
+    async with running_gateway(tenant_config(redis_url, TenantLimits(min_priority=-5))) as gw, \
+            http_as(gw, "kb") as beta_http:
+        async with ws_as(gw, "ka") as ws:
+            assert (await generate(ws, id="a-ok", prompt="x", priority=-5))["type"] == "accepted"
+            refused = await generate(ws, id="a-urgent", prompt="x", priority=-2147483648)
+            assert (refused["code"], refused["id"]) == ("invalid_request", "a-urgent"), refused
+        async with ws_as(gw, "kb") as ws:
+            assert (await generate(ws, id="b-ok", prompt="x", priority=3))["type"] == "accepted"
+            assert (await generate(ws, id="b-urgent", prompt="x", priority=-1))["code"] == "invalid_request"
+        r = await beta_http.post("/completions", json=completion(priority=-1), headers={"X-Request-Id": "b-oa"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", r.text
+        async with ws_as(gw, "plain") as ws:
+            assert (await generate(ws, id="p-urgent", prompt="x", priority=-100))["type"] == "accepted"
+        assert await job_ids(redis) == {"a-ok", "b-ok", "p-urgent"}
+        # The refused ids were given back: the same id at an allowed priority goes through.
+        async with ws_as(gw, "kb") as ws:
+            assert (await generate(ws, id="b-urgent", prompt="x"))["type"] == "accepted"
+
+
+@pytest.mark.anyio
+async def test_only_the_requests_tenant_can_read_resume_or_cancel_it(redis_url: str,
+                                                                    redis: aioredis.Redis) -> None:
+    """beta knows acme's request ids: it can neither resume (/ws or the OpenAI API) nor cancel them,
+    and is told they do not exist; acme can, and so can a key without a tenant (the operator's)."""
+    async with running_gateway(tenant_config(redis_url, TenantLimits())) as gw, \
+            http_as(gw, "ka") as acme_http, http_as(gw, "kb") as beta_http:
+        async with ws_as(gw, "ka") as ws:
+            assert (await generate(ws, id="secret", prompt="x"))["type"] == "accepted"
+        async with acme_http.stream("POST", "/completions", json=completion(stream=True),
+                                    headers={"X-Request-Id": "secret-oa"}) as r:
+            assert r.status_code == 200
+        await emit(redis, "secret", tokens("secret", range(0, 2)))
+        await emit(redis, "secret-oa", tokens("secret-oa", range(0, 2)))
+        async with ws_as(gw, "kb") as ws:
+            for frame in ({"type": "resume", "id": "secret", "after_seq": -1}, {"type": "cancel", "id": "secret"}):
+                await send(ws, frame)
+                answer = await recv(ws)
+                assert (answer["type"], answer["code"]) == ("error", "unknown_request"), answer
+        for client in (beta_http,):
+            r = await client.get("/streams/secret-oa")
+            assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_request", r.text
+            r = await client.post("/completions", json=completion(stream=True),
+                                  headers={"Last-Event-ID": "secret-oa:0"})
+            assert r.status_code == 404, r.text
+        assert not await redis.exists(NAMES.cancelled("secret"))
+        async with ws_as(gw, "ka") as ws:  # its own tenant resumes it
+            await send(ws, {"type": "resume", "id": "secret", "after_seq": -1})
+            assert [(await recv(ws))["seq"] for _ in range(2)] == [0, 1]
+        async with ws_as(gw, "plain") as ws:  # and the operator's key may cancel anything
+            await send(ws, {"type": "cancel", "id": "secret"})
+            await asyncio.sleep(0.3)
+        assert await redis.exists(NAMES.cancelled("secret"))
+
+
+@pytest.mark.anyio
+async def test_two_tenants_naming_the_same_session_do_not_share_it(redis_url: str, redis: aioredis.Redis) -> None:
+    async with running_gateway(tenant_config(redis_url, TenantLimits())) as gw:
+        for key, rid in (("ka", "a-s"), ("kb", "b-s")):
+            async with ws_as(gw, key) as ws:
+                assert (await generate(ws, id=rid, prompt="x", session="chat-1"))["type"] == "accepted"
+        sessions = {(await the_job(redis, rid)).session for rid in ("a-s", "b-s")}
+        assert sessions == {"acme/chat-1", "beta/chat-1"}
+        assert NAMES.session("acme/chat-1") != NAMES.session("beta/chat-1")

@@ -20,6 +20,7 @@ from clients.routing import Router
 from clients.streams import all_streams
 from workers.gateway.metrics import Metrics
 from workers.gateway.relay import EventRelay
+from workers.gateway.tenants import owner_claim
 from workers.redis_options import async_client
 
 log = logging.getLogger("streamer.gateway")
@@ -106,11 +107,12 @@ class Hub:
         reach a worker (and before a tenant is charged for them)."""
         return self.names.gateway_claim(request_id)
 
-    async def claim(self, request_id: str) -> str | None:
-        """Reserve an id for a job this gateway is about to push: a token for `push` and `release`,
-        or None if the id is already in use. The reservation lives CLAIM_TTL_MS: a gateway that
-        dies (or loses Redis) before the push strands the id for seconds, not for --request-ttl."""
-        token = uuid.uuid4().hex
+    async def claim(self, request_id: str, tenant: str = "") -> str | None:
+        """Reserve an id for a job of `tenant` this gateway is about to push: a token for `push` and
+        `release`, or None if the id is already in use. The reservation lives CLAIM_TTL_MS: a gateway
+        that dies (or loses Redis) before the push strands the id for seconds, not for --request-ttl.
+        The claim names the tenant: only its keys may read, resume or cancel the request (`owner`)."""
+        token = owner_claim(tenant, uuid.uuid4().hex)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(self._claim_key(request_id), token, nx=True, px=CLAIM_TTL_MS)
             pipe.exists(self.names.events(request_id), self.names.job(request_id))
@@ -162,6 +164,10 @@ class Hub:
 
     async def stream_meta(self, request_id: str) -> bytes | None:
         return await self.redis.get(self.names.openai_stream(request_id))
+
+    async def owner(self, request_id: str) -> bytes | None:
+        """The claim on the id, naming the tenant whose request it is (tenants.may_access)."""
+        return await self.redis.get(self._claim_key(request_id))
 
     async def known(self, request_id: str) -> bool:
         """A job was pushed with this id (and its keys live): a claim alone is not a request, so a

@@ -18,7 +18,7 @@ from clients.protocol import TENANT_RE
 from workers.errors import UserError
 
 _TOP_FIELDS = {"tenants", "keys"}
-_TENANT_FIELDS = {"share", "max_concurrent", "tokens_per_minute"}
+_TENANT_FIELDS = {"share", "max_concurrent", "tokens_per_minute", "min_priority"}
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,9 @@ class TenantLimits:
     share: float = 1.0  # weight of its fair share of the workers (written to `names.tenants`)
     max_concurrent: int = 0  # jobs pushed and not finished at once; 0: no bound
     tokens_per_minute: int = 0  # tokens charged per minute window (prompt + max output); 0: no bound
+    # The most urgent `priority` its jobs may ask for (lower runs first). 0: none more urgent than the
+    # default, so no tenant jumps the others' queue unless the operator allows it.
+    min_priority: int = 0
 
     def __post_init__(self) -> None:  # the keys file is checked with better messages (parse_tenants)
         if not self.share > 0 or self.max_concurrent < 0 or self.tokens_per_minute < 0:
@@ -122,12 +125,17 @@ def _tenant(name: Any, spec: Any, where: str) -> TenantLimits:
         raise UserError(f"{where}: tenant name {name!r} must be 1 to 64 letters, digits, '.', '_' or '-'")
     at = f"{where}: tenants.{name}"
     if not isinstance(spec, dict):
-        raise UserError(f"{at} must be an object with share, max_concurrent, tokens_per_minute")
+        raise UserError(f"{at} must be an object with share, max_concurrent, tokens_per_minute, min_priority")
     _no_unknown(spec, _TENANT_FIELDS, at)
     share = spec.get("share", 1)
     if not _is_number(share) or not math.isfinite(share) or share <= 0:
         raise UserError(f"{at}.share must be a positive number, got {share!r}")
-    return TenantLimits(float(share), _count(spec, "max_concurrent", at), _count(spec, "tokens_per_minute", at))
+    min_priority = spec.get("min_priority", 0)
+    if not isinstance(min_priority, int) or isinstance(min_priority, bool) or not -2**31 <= min_priority <= 2**31:
+        raise UserError(f"{at}.min_priority must be a whole number from -2147483648 to 2147483648, got "
+                        f"{min_priority!r}")
+    return TenantLimits(float(share), _count(spec, "max_concurrent", at), _count(spec, "tokens_per_minute", at),
+                        min_priority)
 
 
 def _count(spec: dict[str, Any], name: str, at: str) -> int:

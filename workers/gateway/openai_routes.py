@@ -31,7 +31,7 @@ from workers.gateway.openai_response import Assembler, StreamMeta
 from workers.gateway.openai_stream import Position, sse_events
 from workers.gateway.routes import key_ok, request_token
 from workers.gateway.submit import submit_jobs
-from workers.gateway.tenants import RateLimited, tag
+from workers.gateway.tenants import RateLimited, may_access, tag
 
 log = logging.getLogger("streamer.gateway")
 _MODELS_TTL_S = 2.0  # how long the list of served models is reused
@@ -218,7 +218,7 @@ class OpenAIRoutes:
             raise
         except ProtocolError as e:
             if e.code != "duplicate_id":
-                raise
+                raise from_protocol(e) from e
             raise OpenAIError(409, f"request id {e.request_id!r} is already in use", "X-Request-Id",
                               "duplicate_id") from e
         return stream
@@ -281,7 +281,9 @@ class OpenAIRoutes:
         meta = StreamMeta.loads(text)
         if len(meta.jobs) != 1:
             raise bad("only a request with one prompt can be resumed", "request_id")
-        if not await self.gw.hub.known(rid):  # its events expired (or its job was never pushed)
+        # Another tenant's request is answered as if it did not exist: its id tells a stranger nothing.
+        caller = self.gw.config.tenant_of(request_token(request))
+        if not await self.gw.hub.known(rid) or not may_access(caller, await self.gw.hub.owner(rid)):
             raise OpenAIError(404, f"no stream {rid!r} (expired)", "request_id", "unknown_request")
         self.gw.keep(rid)  # stop the grace-period cancel here and, through Redis, on any other gateway
         await self.gw.hub.announce_resume(rid)

@@ -32,7 +32,7 @@ from workers.gateway.hub import Hub
 from workers.gateway.metrics import Metrics
 from workers.gateway.socket_conn import SocketClosed, SocketConn
 from workers.gateway.submit import submit_jobs
-from workers.gateway.tenants import RateLimited, TenantGate, tag
+from workers.gateway.tenants import RateLimited, TenantGate, may_access, tag
 from workers.gateway.watch import FINAL_TYPES, Watch
 
 log = logging.getLogger("streamer.gateway")
@@ -235,11 +235,10 @@ class Session:
             raise ProtocolError("invalid_request", "`after_seq` must be an integer >= -1 (the last seq "
                                 "received; -1 replays from the start)", rid)
         self._check_room(rid)
+        await self._check_known(rid)
         # Stop the grace-period cancel, here and (through Redis) on any other gateway that has one.
         self.grace.keep(rid)
         await self.hub.announce_resume(rid)
-        if not await self.hub.known(rid):
-            raise ProtocolError("unknown_request", f"no request {rid!r} (never submitted, or expired)", rid)
         last = await self.hub.last_event(rid)
         last_seq = last.get("seq") if last is not None else None
         last_seq = last_seq if isinstance(last_seq, int) and not isinstance(last_seq, bool) else -1
@@ -261,8 +260,16 @@ class Session:
 
     async def _cancel(self, obj: dict[str, Any]) -> None:
         rid = frames.request_id(obj)
+        if self.tenant:
+            await self._check_known(rid)
         self.grace.keep(rid)
         await self.hub.cancel(rid)
+
+    async def _check_known(self, rid: str) -> None:
+        """`unknown_request` for an id with no job, and for another tenant's request: to a stranger
+        it does not exist."""
+        if not await self.hub.known(rid) or not may_access(self.tenant, await self.hub.owner(rid)):
+            raise ProtocolError("unknown_request", f"no request {rid!r} (never submitted, or expired)", rid)
 
     # --- relaying ----------------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ async def submit_jobs(hub: Hub, gate: TenantGate | None, tenant: str, jobs: list
     reservation: Reservation | None = None
     try:
         for job in jobs:
-            claim = await hub.claim(job["id"])
+            claim = await hub.claim(job["id"], tenant)
             if claim is None:
                 raise ProtocolError("duplicate_id", f"id {job['id']!r} is already used by another request",
                                     job["id"])

@@ -29,13 +29,43 @@ DEFAULT_MAX_TOKENS: int = SamplingParams.__dataclass_fields__["max_tokens"].defa
 def tag(job: dict[str, Any], tenant: str, session: str | None = None) -> dict[str, Any]:
     """The job with the gateway's `tenant` (from the API key), never the client's: a client that
     could name its tenant could use anyone's share and limits. `session`, when given, replaces the
-    job's own (the OpenAI API's header or `user`)."""
+    job's own (the OpenAI API's header or `user`). A tenant's sessions are its own: their names are
+    prefixed with it, so two tenants naming the same session never share its routing or its place in
+    fair sharing."""
     job.pop("tenant", None)
-    if tenant:
-        job["tenant"] = tenant
     if session:
         job["session"] = session
+    if tenant:
+        job["tenant"] = tenant
+        if isinstance(job.get("session"), str) and job["session"]:
+            job["session"] = f"{tenant}/{job['session']}"
     return job
+
+
+def owner_claim(tenant: str, token: str) -> str:
+    """The value of a gateway's claim on an id: whose request it is, and which push made it."""
+    return f"{tenant}/{token}"
+
+
+def may_access(caller: str, claim: bytes | str | None) -> bool:
+    """Whether a key of tenant `caller` may read, resume or cancel the request whose claim this is.
+    A key without a tenant (`--api-key`: the operator's) may touch any; a tenant's key only its
+    tenant's requests (not those of other tenants, nor those pushed without a gateway)."""
+    if not caller:
+        return True
+    if claim is None:
+        return False
+    text = claim.decode(errors="replace") if isinstance(claim, bytes) else claim
+    return text.partition("/")[0] == caller
+
+
+def check_priority(tenant: str, limits: TenantLimits, jobs: list[dict[str, Any]]) -> None:
+    """ProtocolError `invalid_request` for a job more urgent than its tenant may ask for."""
+    for job in jobs:
+        priority = job.get("priority", 0)
+        if isinstance(priority, int) and priority < limits.min_priority:
+            raise ProtocolError("invalid_request", f"`priority` {priority} is more urgent than tenant {tenant!r} "
+                                f"may use (at least {limits.min_priority}; lower runs first)", job["id"])
 
 
 # --- what a job is charged -----------------------------------------------------------------------
@@ -182,6 +212,7 @@ class TenantGate:
         limits = self.tenants.get(tenant)
         if limits is None:
             return None
+        check_priority(tenant, limits, jobs)
         charges = {job["id"]: charge(job, prompt_limit) for job in jobs}
         total = sum(charges.values())
         keys = [self.names.tenant_active(tenant), self.names.tenant_tokens(tenant)]
