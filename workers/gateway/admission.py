@@ -13,11 +13,19 @@ from typing import Any
 from clients.errors import ProtocolError
 from clients.protocol import Job, Limits, parse_job
 
+# The most tokens a job may ask to generate: far past any model's context, yet a number every part
+# (the tenants' Lua arithmetic, the engine's counters) holds exactly; 2**64 used to be pushed.
+MAX_TOKENS_LIMIT = 2**31 - 1
+
 
 def check_job(job: dict[str, Any], limits: Limits, prompt_limit: int) -> Job:
     """The worker's own checks, then the prompt's length (`prompt_limit` tokens; 0: unknown) and the
     job's size as the worker will read it. Raises ProtocolError naming the request."""
     parsed = parse_job(job, "json", limits)
+    max_tokens = (job.get("params") or {}).get("max_tokens") if isinstance(job.get("params"), dict) else None
+    if isinstance(max_tokens, int) and max_tokens > MAX_TOKENS_LIMIT:
+        raise ProtocolError("invalid_params", f"`max_tokens` {max_tokens} is past the most any job may ask for "
+                            f"({MAX_TOKENS_LIMIT})", parsed.id)
     ids = parsed.prompt_token_ids
     if ids is not None and prompt_limit and len(ids) > prompt_limit:
         raise ProtocolError("invalid_request", f"`prompt_token_ids` holds {len(ids)} tokens; the workers take "

@@ -47,6 +47,9 @@ class GatewayConfig:
     idle_poll_s: float = 5.0  # a watched request silent this long has its stream re-read
     status_every_s: float = 1.0  # `status` frames (queue place, prompt progress) for requests asking
     close_timeout_s: float = 5.0
+    # A request's headers must arrive within this of the connection opening (or the previous answer):
+    # slow-loris clients are cut off (http_protocol.py).
+    header_timeout_s: float = 10.0
     web_root: Path = field(default=WEB_ROOT)
 
     def __post_init__(self) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from clients.chat_messages import parse_tool_choice, parse_tools
 from streamer.sampling_params import SamplingParams
+from workers.gateway.admission import MAX_TOKENS_LIMIT
 
 MAX_PROMPTS = 64  # prompts in one completions request (each is a job)
 MAX_N = 64  # samples per prompt (the protocol's bound)
@@ -108,8 +109,8 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
 def _sampling(body: dict[str, Any], max_tokens_name: str, default_max: int | None) -> dict[str, Any]:
     params = {k: body[k] for k in _PARAMS if body.get(k) is not None}
     max_tokens = body.get(max_tokens_name, body.get("max_tokens"))
-    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
-        raise bad(f"`{max_tokens_name}` must be an integer of at least 1", max_tokens_name)
+    if max_tokens is not None and (not _is_int(max_tokens) or not 1 <= max_tokens <= MAX_TOKENS_LIMIT):
+        raise bad(f"`{max_tokens_name}` must be an integer from 1 to {MAX_TOKENS_LIMIT}", max_tokens_name)
     params["max_tokens"] = default_max if max_tokens is None else max_tokens
     stop = body.get("stop")
     if stop is not None:

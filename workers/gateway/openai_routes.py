@@ -285,6 +285,13 @@ class OpenAIRoutes:
         caller = self.gw.config.tenant_of(request_token(request))
         if not await self.gw.hub.known(rid) or not may_access(caller, await self.gw.hub.owner(rid)):
             raise OpenAIError(404, f"no stream {rid!r} (expired)", "request_id", "unknown_request")
+        last = await self.gw.hub.last_event(rid)
+        last_seq = last.get("seq", -1) if last is not None else -1
+        if isinstance(last_seq, int) and position.seq > last_seq:
+            # As /ws refuses an after_seq past the last event: no client can have received it (a
+            # wrong id, events that expired), and waiting for it could take forever.
+            raise bad(f"position {position.seq} is beyond request {rid!r}'s last event (seq {last_seq}); "
+                      "resume after an event you received", "Last-Event-ID")
         self.gw.keep(rid)  # stop the grace-period cancel here and, through Redis, on any other gateway
         await self.gw.hub.announce_resume(rid)
         self.gw.metrics.inc("resumes_total")

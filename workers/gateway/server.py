@@ -28,11 +28,13 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.routing import Route
 from starlette.websockets import WebSocket
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from clients.errors import ProtocolError
 from clients.protocol import Limits, Names
 from workers.errors import UserError
 from workers.gateway.config import GatewayConfig
+from workers.gateway.http_protocol import with_header_deadline
 from workers.gateway.hub import Hub
 from workers.gateway.metrics import Metrics
 from workers.gateway.openai_routes import OpenAIRoutes
@@ -152,6 +154,7 @@ class Gateway:
         config = uvicorn.Config(
             functools.partial(with_transport, self.app), interface="asgi3", log_config=None, access_log=False,
             lifespan="off", ws="websockets-sansio",
+            http=with_header_deadline(AutoHTTPProtocol, self.config.header_timeout_s),
             ws_max_size=self.config.hard_frame_limit,
             ws_per_message_deflate=False,  # token frames are tiny; deflate would cost CPU for nothing
             server_header=False, headers=[("server", "streamer-gateway")],
