@@ -145,6 +145,8 @@ async def test_damaged_keys_count_as_nothing_known_not_as_a_failure(r: aioredis.
     await r.set(NAMES.worker_prefixes("w-a"), "not a set")
     await r.set(NAMES.session(""), "w-b")  # a job without a session has no owner, whatever is stored
     assert await route(r, min_match_tokens=1) == lane(JOB, "miss")
+    await r.set(NAMES.session("chat-1"), b"w-\xff")  # not UTF-8: no worker of that name
+    assert await route(r, {**JOB, "session": "chat-1"}, min_match_tokens=1) == lane(JOB, "miss")
 
 
 @pytest.mark.anyio
