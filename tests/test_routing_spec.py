@@ -23,7 +23,7 @@ def canonical(value: Any) -> str:
 def chained(pieces: list[tuple[str, int]]) -> list[Segment]:
     out, prev, total = [], b"", 0
     for text, tokens in pieces[:64]:
-        # UTF-8; a lone surrogate (a JSON `\\ud800` escape, which the worker refuses later) is encoded
+        # UTF-8; a lone surrogate (a JSON `\ud800` escape, which the worker refuses later) is encoded
         # as its three bytes rather than making the submitter fail.
         prev = hashlib.blake2b(prev + text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
         total += tokens
