@@ -162,6 +162,10 @@ class AsyncEngine:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The checkpoint's own sampling parameters, for requests that leave them out."""
+        return dict(self.engine.generation_defaults)
+
     def token_texts(self, token_ids: list[int]) -> list[str]:
         """Each token decoded alone (a piece of a multi-byte character shows as U+FFFD)."""
         return [self.engine.tokenizer.decode([t]) for t in token_ids]

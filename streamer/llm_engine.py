@@ -17,6 +17,7 @@ from streamer.config import EngineConfig
 from streamer.errors import ConfigError, GrammarError
 from streamer.executor import make_executor
 from streamer.fault_isolation import execute_isolated
+from streamer.generation_defaults import generation_defaults
 from streamer.grammar import GrammarCompiler
 from streamer.grammar_masks import Budgets
 from streamer.model_config import ModelConfig
@@ -57,6 +58,7 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_config.path),
                                                        config=self.model_config.hf_config)
         self.eos_token_ids = frozenset(_eos_token_ids(self.model_config.path, self.tokenizer))
+        self.generation_defaults = generation_defaults(self.model_config.path)
         self.runner = make_executor(config, self.model_config, self.device, Sampler(self.eos_token_ids, config.seed))
         # A sequence can never outgrow the whole cache, so cap its length there.
         self.max_model_len = min(self.model_config.max_model_len, self.runner.num_kv_blocks * config.block_size)

@@ -115,3 +115,29 @@ def test_resolve_model_defaults_and_checks(smollm2: Path, tmp_path: Path, monkey
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))
     with pytest.raises(ModelNotFound, match="no \\*.safetensors"):
         resolve_model(tmp_path)
+
+
+def test_the_model_samples_at_its_recommended_defaults(smollm2: Path) -> None:
+    """The conversion writes the model card's sampling defaults, which the worker applies to requests
+    that leave them out (an OpenAI client sending no temperature gets 0.2, not 1.0): answers sampled
+    at them name Paris; a conversion made before them gets them on its next use."""
+    from streamer import LLM, SamplingParams
+    from streamer.generation_defaults import generation_defaults
+    from workers.default_model import SAMPLING_DEFAULTS
+
+    assert generation_defaults(smollm2) == SAMPLING_DEFAULTS
+    llm = LLM(model=str(smollm2), device="cpu", max_model_len=256, num_kv_blocks=64)
+    prompt = {"prompt_token_ids": llm.engine.render_chat(FRANCE)}
+
+    def paris(**params: float) -> int:
+        outs = llm.generate([prompt] * 12, [SamplingParams(**params, max_tokens=16, seed=s) for s in range(12)])
+        return sum("Paris" in o.outputs[0].text for o in outs)
+
+    # A 135M model: mostly right at its defaults (16 of 20 seen), near chance at temperature 1 (10 of 20).
+    at_defaults, at_one = paris(**SAMPLING_DEFAULTS), paris(temperature=1.0)
+    assert at_defaults >= 8 and at_defaults > at_one, (at_defaults, at_one)
+    path = smollm2 / "generation_config.json"
+    older = {k: v for k, v in json.loads(path.read_text()).items() if k not in SAMPLING_DEFAULTS}
+    path.write_text(json.dumps(older))
+    ensure_default_model(cache=smollm2.parent.parent)
+    assert generation_defaults(smollm2) == SAMPLING_DEFAULTS

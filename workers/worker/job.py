@@ -99,7 +99,8 @@ class JobRunner:
         if d.suspect:
             log.warning("request %s: its worker died while it entered the engine; running it alone", job.id)
         try:
-            params = SamplingParams.from_dict(sampling_params(job))  # with what tool_choice constrains
+            # The checkpoint's defaults under what the job sets, with what its tool_choice constrains.
+            params = SamplingParams.from_dict({**self.engine.sampling_defaults(), **sampling_params(job)})
         except (TypeError, ValueError) as e:
             await self.answers.fail(run, "invalid_params", str(e))
             return run
