@@ -213,7 +213,8 @@ def test_async_engine_fits_the_workers_engine_seam() -> None:
 
     methods = [n for n, v in vars(Engine).items() if inspect.isfunction(v) and not n.startswith("_")]
     assert sorted(methods) == ["abort", "admission_capacity", "chat_template", "generate", "output_text",
-                              "prompt_progress", "render_chat", "sampling_defaults", "stats", "take_step_records", "token_texts"]
+                              "prompt_progress", "render_chat", "sampling_defaults", "stats", "take_step_records",
+                              "token_texts"]
     for name in methods:
         want = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(Engine, name)).parameters.values()]
         have = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(AsyncEngine, name)).parameters.values()]
