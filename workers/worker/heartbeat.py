@@ -108,7 +108,10 @@ class Heartbeat:
                 "consumer": self.cfg.consumer, "pid": os.getpid(), "device": s.get("device", ""),
                 "dtype": s.get("dtype", ""),
                 "running": s.get("num_running", 0), "waiting": s.get("num_waiting", 0),
-                "kv_usage": s.get("kv_utilization", 0.0), "kv_blocks_used": s.get("kv_blocks_used", 0),
+                # kv_usage: the share of the cache's blocks in use (vLLM's kv_cache_usage_perc);
+                # kv_block_fill: how full those blocks are (the last block of a sequence is partly empty).
+                "kv_usage": _share(s.get("kv_blocks_used", 0), s.get("kv_blocks_total", 0)),
+                "kv_block_fill": s.get("kv_utilization", 0.0), "kv_blocks_used": s.get("kv_blocks_used", 0),
                 "kv_blocks_total": s.get("kv_blocks_total", 0), "max_model_len": s.get("max_model_len", 0),
                 "jobs": self.state.held, "max_num_seqs": s.get("max_num_seqs", 0),
                 "generation_tokens": s.get("generation_tokens", 0),
@@ -147,3 +150,7 @@ class Heartbeat:
         if run is not None and run.entry_id == entry_id:
             log.warning("request %s: taken over by another worker, stopping here", request_id)
             run.scope.cancel()
+
+
+def _share(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
