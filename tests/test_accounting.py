@@ -8,14 +8,18 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import anyio
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from clients.names import Names
 from clients.protocol import Job
-from clients.routing import answer_chain, prefix_chain
+from clients.routing import Segment, answer_chain, prefix_chain
 from workers.worker import accounting
-from workers.worker.accounting import SESSION_TTL_MS, Accounting
+from workers.worker.accounting import FLUSH_S, SESSION_TTL_MS, Accounting, PrefixAdvert
 from workers.worker.streams import NO_TENANT
 
 NAMES = Names()
@@ -120,3 +124,103 @@ async def test_leaving_removes_the_advert_and_the_load(r: aioredis.Redis) -> Non
     await acc.leave()
     assert not await r.exists(NAMES.worker_prefixes(ME))
     assert await r.hgetall(NAMES.loads) == {b"w-2": b"1"}
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("job", [
+    Job("j", "json", prompt="p" * 600), Job("j", "json", prompt_token_ids=list(range(130))),
+    Job("j", "json", messages=CHAT, tools=TOOLS)], ids=["prompt", "token ids", "chat with tools"])
+async def test_every_kind_of_input_is_advertised_as_the_router_hashes_it(r: aioredis.Redis, job: Job) -> None:
+    acc = make(r)
+    acc.started(job)
+    await acc.flush()
+    want = prefix_chain({"messages": job.messages, "tools": job.tools, "prompt": job.prompt,
+                         "prompt_token_ids": job.prompt_token_ids})
+    assert want and await advertised(r) == {s.digest for s in want}
+
+
+def chain(tokens: list[int], tag: str) -> list[Segment]:
+    """A chain whose segments hold these cumulative token counts."""
+    return [Segment(f"{tag}{i}", t) for i, t in enumerate(tokens)]
+
+
+def test_the_advert_holds_exactly_its_capacity_in_tokens() -> None:
+    a = chain([10, 25, 45], "a")  # segments of 10, 15 and 20 tokens
+    full = PrefixAdvert(lambda: 45)
+    full.add(a)
+    assert full.digests == ["a2", "a1", "a0"] and full.added == {"a0", "a1", "a2"}
+    short = PrefixAdvert(lambda: 44)  # one token short: the tail goes, the root stays
+    short.add(a)
+    assert short.digests == ["a1", "a0"] and short.added == {"a0", "a1"} and short.removed == {"a2"}
+    root = PrefixAdvert(lambda: 10)
+    root.add(a)
+    assert root.digests == ["a0"]
+
+
+def test_a_chain_served_again_is_the_most_recent_whole() -> None:
+    capacity = [100]
+    advert = PrefixAdvert(lambda: capacity[0])
+    a, b = chain([10, 20, 30, 40], "a"), chain([10, 20], "b")
+    advert.add(a[:2])
+    advert.add(b)
+    advert.add(a)  # its first two segments are held already: refreshed, not skipped
+    assert advert.digests == ["b1", "b0", "a3", "a2", "a1", "a0"]
+    capacity[0] = 40
+    advert.add([])  # shrunk: the least recently used go, b before any of a
+    assert advert.digests == ["a3", "a2", "a1", "a0"] and advert.removed == {"b0", "b1"}
+    advert.add(b)  # back: no longer to be removed
+    assert "b0" in advert.added and "b0" not in advert.removed
+
+
+@pytest.mark.anyio
+async def test_what_is_dropped_leaves_redis_and_what_never_went_out_never_does(r: aioredis.Redis) -> None:
+    capacity = [100]
+    acc = Accounting(r, NAMES, ME, TTL_MS, capacity=lambda: capacity[0])
+    acc.prefixes.add(chain([10, 20], "a"))
+    await acc.flush()
+    acc.prefixes.add(chain([10, 20], "b"))  # never flushed ...
+    capacity[0] = 20
+    acc.prefixes.add(chain([10, 20], "c"))  # ... and dropped again, with a
+    await acc.flush()
+    assert await advertised(r) == {"c0", "c1"}
+
+
+@pytest.mark.anyio
+async def test_a_refused_write_does_not_stop_the_rest_of_the_flush(r: aioredis.Redis) -> None:
+    await r.set(NAMES.tenant_active("acme"), "not a sorted set")
+    acc = make(r, held=1)
+    acc.finished(Job("j1", "json", prompt="x", tenant="acme"), 10, "acme", 0.0, None)
+    await acc.flush()
+    assert await r.hget(NAMES.service, "acme") == b"10" and await r.hget(NAMES.loads, ME) == b"1"
+
+
+@pytest.mark.anyio
+async def test_what_a_failed_flush_held_goes_out_with_the_next(r: aioredis.Redis) -> None:
+    acc = make(r)
+    acc.started(Job("j1", "json", messages=CHAT, session="chat-1"))
+    acc.finished(Job("j1", "json", messages=CHAT, tenant="acme"), 10, "acme", 0.0, None)
+    await r.zadd(NAMES.tenant_active("acme"), {"j1": 1})
+    acc.redis = aioredis.Redis(host="127.0.0.1", port=1, retry=Retry(NoBackoff(), 0))  # nothing listens: fails
+    with pytest.raises(RedisConnectionError):
+        await acc.flush()
+    await acc.redis.aclose()
+    acc.redis = r
+    await acc.flush()
+    assert await r.get(NAMES.session("chat-1")) == ME.encode()
+    assert await r.hget(NAMES.service, "acme") == b"10" and not await r.exists(NAMES.tenant_active("acme"))
+    assert await advertised(r) == {s.digest for s in prefix_chain({"messages": CHAT})}
+
+
+@pytest.mark.anyio
+async def test_the_loop_flushes_every_quarter_second(r: aioredis.Redis) -> None:
+    acc = make(r)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(acc.loop)
+        acc.started(Job("j1", "json", prompt="x", session="chat-1"))
+        with anyio.fail_after(10 * FLUSH_S + 5):
+            while not await r.exists(NAMES.session("chat-1")):
+                await anyio.sleep(0.02)
+        tg.cancel_scope.cancel()
