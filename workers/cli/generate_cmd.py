@@ -130,7 +130,7 @@ async def _show_status(client: AsyncClient, request_id: str, first: FirstEvent, 
 
 async def _print_stream(client: AsyncClient, request_id: str, args: argparse.Namespace, stop: anyio.Event,
                         first_event: FirstEvent) -> int:
-    sent, first, tokens = time.monotonic(), None, 0
+    sent, first, tokens, text = time.monotonic(), None, 0, ""
     try:
         async for event in client.stream(request_id, timeout=args.timeout, wait_for_worker=args.wait):
             await first_event.announce()
@@ -141,10 +141,14 @@ async def _print_stream(client: AsyncClient, request_id: str, args: argparse.Nam
                 return 1
             first = first or time.monotonic()
             tokens += len(event.get("token_ids", []))
+            text = event.get("text", "") or text[-1:]  # only whether it ends a line matters
             sys.stdout.write(event.get("text", ""))
             sys.stdout.flush()
             if event["type"] == "done":
-                print("\n" + _summary(event, sent, first, tokens), file=sys.stderr)
+                # The answer ends its line on stdout itself: a pipe or a file gets a whole last line.
+                if text and not text.endswith("\n"):
+                    print(flush=True)
+                print(_summary(event, sent, first, tokens), file=sys.stderr)
                 return 0
     except anyio.get_cancelled_exc_class():
         if not stop.is_set():
