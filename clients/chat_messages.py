@@ -82,7 +82,9 @@ def _tool_calls(calls: Any, bad: Any) -> list[dict[str, Any]]:
         args = fn.get("arguments", {})
         if isinstance(args, str):
             try:
-                args = json.loads(args) if args.strip() else {}
+                # Not strict: a raw control character in a string is what the grammar engine's JSON allows,
+                # so an answer's own arguments, sent back with the next turn, are read as they were written.
+                args = json.loads(args, strict=False) if args.strip() else {}
             except ValueError:
                 raise bad(f"a message's tool call {fn['name']!r}: `arguments` is not JSON") from None
         if not isinstance(args, dict):

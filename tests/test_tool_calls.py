@@ -364,3 +364,12 @@ def test_tool_names_are_openai_names_and_each_is_given_once(names: list[str], wo
         decode_job(encode_job(job(names)))
     assert refused.value.code == "invalid_request"
     assert decode_job(encode_job(job(["a" * 64, "get_weather-2"]))).tools is not None  # the bounds themselves pass
+
+
+def test_an_answers_own_arguments_come_back_with_the_next_turn_even_with_a_raw_control_character() -> None:
+    """xgrammar's JSON lets a string hold a raw tab or newline; an agent sends the call back as it got it."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": '{"query": "a\tb"}'}}
+    messages = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "nothing found"}]
+    job = decode_job(encode_job({"id": "t", "messages": messages, "tools": TOOLS}))
+    assert job.messages[1]["tool_calls"][0]["function"]["arguments"] == {"query": "a\tb"}
