@@ -326,3 +326,35 @@ def test_an_installed_package_finds_the_benchmarks_in_its_working_directory(tmp_
     out = subprocess.run([sys.executable, "-c", code, str(site / "bench_cmd.py")], cwd=app, capture_output=True,
                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.stdout.split() == [str(app / "bench"), "True"], out.stderr[-2000:]
+
+
+def test_a_running_up_is_found_only_while_it_runs_and_only_where_no_redis_is_named(tmp_path: Path, monkeypatch,
+                                                                                    capsys) -> None:
+    from workers.cli.main import _use_running_up
+    from workers.up_state import forget, record, running_up
+
+    monkeypatch.setenv("STREAMER_CACHE", str(tmp_path))
+    monkeypatch.delenv("STREAMER_REDIS", raising=False)
+    monkeypatch.delenv("STREAMER_PREFIX", raising=False)
+    assert running_up() is None
+    record("redis://127.0.0.1:6399/0", "mine", "http://127.0.0.1:8000/")
+    assert (tmp_path / "up.json").stat().st_mode & 0o077 == 0  # the URL may hold a password
+    args = argparse.Namespace(redis="redis://127.0.0.1:6379/0", prefix="llm")
+    _use_running_up(args, ["hello"])
+    assert (args.redis, args.prefix) == ("redis://127.0.0.1:6399/0", "mine")
+    assert f"the running `streamer up` (pid {os.getpid()})" in capsys.readouterr().err
+    named = argparse.Namespace(redis="redis://elsewhere:6379/0", prefix="llm")
+    _use_running_up(named, ["--redis", "redis://elsewhere:6379/0", "hello"])
+    assert named.redis == "redis://elsewhere:6379/0"
+    monkeypatch.setenv("STREAMER_REDIS", "redis://from-env:6379/0")
+    from_env = argparse.Namespace(redis="redis://from-env:6379/0", prefix="llm")
+    _use_running_up(from_env, ["hello"])
+    assert from_env.redis == "redis://from-env:6379/0"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    state = json.loads((tmp_path / "up.json").read_text())
+    (tmp_path / "up.json").write_text(json.dumps({**state, "pid": gone.pid}))
+    assert running_up() is None  # left by an `up` that was killed
+    (tmp_path / "up.json").write_text(json.dumps(state))
+    forget()
+    assert not (tmp_path / "up.json").exists()

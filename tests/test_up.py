@@ -208,8 +208,20 @@ def test_up_serves_the_real_model_and_ctrl_c_stops_everything(cpu_kernels: None,
 
         check_readme_examples(f"redis://127.0.0.1:{redis_port}/0")
 
+        # `generate` with no --redis finds the running `up` (its Redis is on a port of its own), and says so.
+        state = smollm2_cache / "up.json"
+        assert json.loads(state.read_text())["redis"] == f"redis://127.0.0.1:{redis_port}/0"
+        env = {k: v for k, v in os.environ.items() if k != "STREAMER_REDIS"}
+        asked = subprocess.run([sys.executable, "-m", "workers.cli", "generate", "--chat", "Say hi.", "--max-tokens",
+                                "4"], env={**env, "STREAMER_CACHE": str(smollm2_cache)}, cwd=ROOT,
+                               capture_output=True, text=True, timeout=120)
+        assert asked.returncode == 0, asked.stderr
+        assert f"using the Redis of the running `streamer up` (pid {up.proc.pid}): redis://127.0.0.1:{redis_port}/0" \
+            in asked.stderr
+
         assert up.ctrl_c() == 0, up.text()
         assert "stopped" in up.text()
+        assert not state.exists()  # a later `generate` does not look for this one
         assert not [p for p in pids if alive(p)], up.text()
         assert not port_open(port) and not port_open(redis_port)
     finally:

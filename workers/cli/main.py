@@ -258,6 +258,34 @@ def explain(exc: BaseException, redis_url: str | None = None) -> str | None:
     return None
 
 
+# Commands that talk to a running system: without --redis they use a running `streamer up`'s Redis.
+_CLIENT_COMMANDS = ("generate", "top", "dead")
+
+
+def _use_running_up(args: argparse.Namespace, argv: list[str]) -> None:
+    """Where neither --redis nor STREAMER_REDIS says which Redis, a running `streamer up` (on a port
+    of its own) is the one meant; say so, since the default would have been another."""
+    def given(flag: str) -> bool:
+        return any(a == flag or a.startswith(flag + "=") for a in argv) or bool(os.environ.get(env_name_of(flag)))
+
+    from clients.errors import redact_url
+    from workers.up_state import running_up
+
+    up = None if given("--redis") else running_up()
+    if up is None:
+        return
+    args.redis = up["redis"]
+    if not given("--prefix") and isinstance(up.get("prefix"), str):
+        args.prefix = up["prefix"]
+    print(f"using the Redis of the running `streamer up` (pid {up['pid']}): {redact_url(args.redis)}",
+          file=sys.stderr)
+
+
+def env_name_of(flag: str) -> str:
+    """The environment variable of a long option (`--redis` -> STREAMER_REDIS)."""
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
 def _fail(prog: str, msg: str) -> int:
     print(f"{prog}: error: {msg}", file=sys.stderr)
     return 2
@@ -277,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = command_parser(name)
         args = parser.parse_args(argv[1:])
+        if name in _CLIENT_COMMANDS:
+            _use_running_up(args, argv[1:])
         if name in _DEFAULT_MODEL_COMMANDS:
             from workers.default_model import resolve_model
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from clients.errors import redact_url
 from clients.heartbeats import live_workers
 from clients.protocol import Names
+from workers import up_state
 from workers.arg_types import optional_port, port_number, redis_url
 from workers.cli.processes import Child, Phases
 from workers.errors import UserError
@@ -161,12 +162,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         phases = Phases()
         setup = _start_all(args, local_host, port, phases, started)
+        up_state.record(setup.redis_url, args.prefix, f"http://{local_host}:{port}/")
         _print_banner(setup, phases, args.metrics_port)
         return _wait_for_exit(started.children)
     except (KeyboardInterrupt, _Stop):
         print("\nstopping ...", flush=True)
         return 0
     finally:
+        up_state.forget()
         _shutdown(started.children, started.redis_server)
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
@@ -241,8 +244,7 @@ def _print_banner(setup: Setup, phases: Phases, metrics_port: int = 0) -> None:
           f"  Redis:      {redis_url}\n"
           + (f"  metrics:    http://{host}:{metrics_port}/metrics (the worker's)\n" if metrics_port else "") +
           f"  model:      {setup.model} on {setup.device}\n"
-          f"  try:        STREAMER_REDIS={redis_url} streamer generate --chat "
-          "'What is the capital of France?'\n"
+          "  try:        streamer generate --chat 'What is the capital of France?'   (it finds this Redis)\n"
           "Press Ctrl-C to stop.", flush=True)
 
 
