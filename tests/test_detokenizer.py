@@ -108,6 +108,25 @@ def test_incomplete_utf8_at_the_end_becomes_a_replacement_character(tok) -> None
     assert "".join(deltas).endswith("\ufffd")
 
 
+def test_a_broken_character_mid_stream_is_the_models_own(tok) -> None:
+    """A sampled model may emit the first bytes of a character and then a plain word ("Bailiw\ufffd
+    Coast" was seen): no valid text holds those bytes, so the full decode shows U+FFFD there too.
+    The stream never emits a part of a character it could still complete, and its text is exactly
+    the full decode's, replacement character included, never more of them."""
+    emoji = tok.backend_tokenizer.encode("🙂", add_special_tokens=False).ids
+    tokens = tok("Bailiw").input_ids + emoji[:-1] + tok(" Coast").input_ids
+    deltas, _ = stream(tok, tokens, SamplingParams())
+    full = tok.decode(tokens, skip_special_tokens=True)
+    assert "\ufffd" in full and not full.endswith("\ufffd")
+    assert_prefix_stream(deltas, full)
+    detok = IncrementalDetokenizer(tok.backend_tokenizer, tok(PROMPT).input_ids, SamplingParams())
+    held = ""
+    for token in tok("Bailiw").input_ids + emoji[:-1]:
+        detok.append(token, check_stop=False)
+        held += detok.delta(finished=False)
+    assert held.endswith("Bailiw")  # before the next token the character could still complete: nothing of it
+
+
 def test_a_stop_string_in_text_held_back_as_incomplete_utf8_still_stops(tok) -> None:
     """"日本" only comes out with the bytes of the next character: cut there, the sequence ends with
     its text still held, and the stop string in it must count."""
