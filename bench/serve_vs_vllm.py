@@ -50,6 +50,26 @@ keys = ("completed", "failed", "duration", "output_throughput", "median_ttft_ms"
 print("RESULT " + json.dumps({k: result.get(k) for k in keys}))
 """
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of a process and all its descendants so far (Linux /proc)."""
+    parent, cpu = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        pid = int(stat.parent.name)
+        parent[pid], cpu[pid] = int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK
+    total = 0.0
+    for pid, seconds in cpu.items():
+        p = pid
+        while p and p != root:
+            p = parent.get(p, 0)
+        total += seconds if p == root else 0.0
+    return total
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 
@@ -109,17 +129,29 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.kill()
 
 
-def measure(args: argparse.Namespace, base_url: str, model: str) -> dict[str, dict]:
+def measure(args: argparse.Namespace, base_url: str, model: str, servers: dict[str, int]) -> dict[str, dict]:
+    """Each rate's client result, with the CPU seconds each server process tree used per output
+    token during it (`cpu_ms_per_token`: where the 2 cores went besides the client)."""
     run_client(args, base_url, model, "inf", 8)  # warm-up: kernels, caches, connections
-    return {rate: run_client(args, base_url, model, rate, args.num_prompts) for rate in args.rates.split(",")}
+    results = {}
+    for rate in args.rates.split(","):
+        before = {name: tree_cpu_seconds(pid) for name, pid in servers.items()}
+        result = run_client(args, base_url, model, rate, args.num_prompts)
+        tokens = args.num_prompts * args.output_len
+        result["cpu_ms_per_token"] = {name: round(1e3 * (tree_cpu_seconds(pid) - before[name]) / tokens, 3)
+                                      for name, pid in servers.items()}
+        results[rate] = result
+    return results
 
 
 def streamer_run(args: argparse.Namespace) -> dict[str, dict]:
     port = free_port()
     with RedisServer() as server:
         procs = start_streamer(args, server.url, port)
+        assert server.proc is not None
+        servers = {"worker": procs[0].pid, "gateway": procs[1].pid, "redis": server.proc.pid}
         try:
-            return measure(args, f"http://127.0.0.1:{port}", args.model)
+            return measure(args, f"http://127.0.0.1:{port}", args.model, servers)
         finally:
             stop(procs)
 
@@ -128,7 +160,7 @@ def vllm_run(args: argparse.Namespace, work: Path) -> dict[str, dict]:
     port = free_port()
     procs = start_vllm(args, port, work)
     try:
-        return measure(args, f"http://127.0.0.1:{port}", args.model)
+        return measure(args, f"http://127.0.0.1:{port}", args.model, {"server": procs[0].pid})
     finally:
         stop(procs)
 
@@ -138,6 +170,8 @@ def median_runs(runs: list[dict[str, dict]]) -> dict[str, dict]:
 
 
 def report(ours: dict[str, dict], theirs: dict[str, dict], runs: list[dict[str, dict]]) -> None:
+    """Medians of streamer's runs against vLLM's, then the CPU each server's processes used (the
+    last streamer run's)."""
     print(f"{'rate':>5} {'metric':<18} {'streamer':>10} {'vLLM':>10} {'ratio':>7}   streamer runs")
     for rate in ours:
         for m in METRICS:
@@ -145,6 +179,8 @@ def report(ours: dict[str, dict], theirs: dict[str, dict], runs: list[dict[str, 
             ratio = a / b if m == "output_throughput" else b / a  # above 1: streamer ahead
             each = ", ".join(f"{r[rate][m]:.1f}" for r in runs)
             print(f"{rate:>5} {m:<18} {a:10.1f} {b:10.1f} {ratio:7.2f}x  {each}")
+        ours_cpu = ", ".join(f"{k} {v}" for k, v in runs[-1][rate]["cpu_ms_per_token"].items())
+        print(f"{rate:>5} CPU ms per output token: streamer {ours_cpu}; vLLM {theirs[rate]['cpu_ms_per_token']}")
 
 
 def main() -> None:
