@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import AsyncIterator
 
+import anyio
 import pytest
 import redis.asyncio as aioredis
 
@@ -41,12 +42,16 @@ async def take_ids(streams: StreamSet, count: int) -> list[str]:
 async def test_own_stream_then_the_urgent_lane_then_the_default(r: aioredis.Redis, client: AsyncClient) -> None:
     await client.submit("x", id="default")
     await client.submit("x", id="urgent", priority=-1)
-    await r.xadd(NAMES.worker_requests(ME), encode_job({"id": "routed", "prompt": "x"}))
+    # A routed entry with a field more than a job has: every field is handed on (intake judges them).
+    routed = await r.xadd(NAMES.worker_requests(ME), {**encode_job({"id": "routed", "prompt": "x"}), "extra": "1",
+                                                      "more": "2"})
     streams = StreamSet(r, NAMES, ME)
     taken = await streams.take(5)
-    assert [(decode_job(t.fields).id, t.tenant, t.charged) for t in taken] == [
-        ("routed", NO_TENANT, CHARGE_TOKENS), ("urgent", NO_TENANT, CHARGE_TOKENS),
-        ("default", NO_TENANT, CHARGE_TOKENS)]
+    assert taken[0].entry_id == routed and set(taken[0].fields) == {b"json", b"extra", b"more"}
+    assert [t.entry_id for t in taken[1:]] == [(await r.xrange(s))[0][0] for s in (
+        f"{NAMES.requests}:prio-1", NAMES.requests)]
+    assert [decode_job(t.fields).id for t in taken[1:]] == ["urgent", "default"]
+    assert {(t.tenant, t.charged) for t in taken} == {(NO_TENANT, CHARGE_TOKENS)}
     assert [t.stream for t in taken] == [NAMES.worker_requests(ME), f"{NAMES.requests}:prio-1", NAMES.requests]
     assert await streams.take(5) == []
     pending = await r.xpending(NAMES.requests, NAMES.group)
@@ -97,10 +102,15 @@ async def test_waiting_takes_one_entry_uncharged_with_its_tenant(r: aioredis.Red
     streams = StreamSet(r, NAMES, ME)
     await streams.refresh(force=True)
     assert await streams.wait_any(50) == []  # nothing yet: back after the block
+    async with anyio.create_task_group() as tg:  # an entry pushed while it waits ends the wait
+        tg.start_soon(client.submit, "x")
+        assert len(await streams.wait_any(5000)) == 1
     await client.submit("x", id="first", tenant="acme")
     await client.submit("x", id="second", tenant="acme")
-    await streams.refresh(force=True)
+    streams.forget_groups()  # Redis lost its groups: the next look reads the registry and makes them
+    await streams.refresh()
     (taken,) = await streams.wait_any(1000)
     assert (decode_job(taken.fields).id, taken.tenant, taken.charged) == ("first", "acme", 0.0)
+    assert taken.entry_id == (await r.xrange(taken.stream))[0][0]
     assert taken.stream == NAMES.tenant_stream(NAMES.requests, "acme")
     assert await r.hget(NAMES.service, "acme") is None  # charged only at its end
