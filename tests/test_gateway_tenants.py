@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from test_gateway import NAMES, config, emit, recv, send, tokens
+from test_gateway import NAMES, config, emit, recv, send, tokens, without_workers
 from websockets.asyncio.client import ClientConnection, connect
 
 from clients.protocol import Job, decode_job
@@ -68,14 +68,21 @@ async def queued_jobs(r: aioredis.Redis) -> list[Job]:
     return jobs
 
 
+def own(rid: str) -> str:
+    """The id a tenant's client gave, from the namespaced id its job has in Redis (`acme/one` ->
+    `one`); these tests' own ids have no `/`."""
+    return rid.rpartition("/")[2]
+
+
 async def job_ids(r: aioredis.Redis) -> set[str]:
-    return {job.id for job in await queued_jobs(r)}
+    """The ids of the queued jobs as their clients named them."""
+    return {own(job.id) for job in await queued_jobs(r)}
 
 
 async def the_job(r: aioredis.Redis, rid: str, timeout: float = 5.0) -> Job:
     async def poll() -> Job:
         while True:
-            found = [job for job in await queued_jobs(r) if job.id == rid]
+            found = [job for job in await queued_jobs(r) if own(job.id) == rid]
             if found:
                 return found[0]
             await asyncio.sleep(0.02)
@@ -84,7 +91,7 @@ async def the_job(r: aioredis.Redis, rid: str, timeout: float = 5.0) -> Job:
 
 
 async def active(r: aioredis.Redis, tenant: str) -> set[str]:
-    return {m.decode() for m in await r.zrange(NAMES.tenant_active(tenant), 0, -1)}
+    return {own(m.decode()) for m in await r.zrange(NAMES.tenant_active(tenant), 0, -1)}
 
 
 async def tokens_used(r: aioredis.Redis, tenant: str) -> int:
@@ -135,7 +142,7 @@ async def test_over_max_concurrent_is_refused_on_both_apis_and_never_pushed(redi
             assert (await generate(other, id="beta-1", prompt="x"))["type"] == "accepted"
         # The worker ends `first` and removes it (its side of the contract): acme has room again,
         # and the refused id can be used now (its claim was given back).
-        await redis.zrem(NAMES.tenant_active("acme"), "first")
+        await redis.zrem(NAMES.tenant_active("acme"), "acme/first")  # the job's id in Redis
         assert (await generate(ws, id="second", prompt="x"))["type"] == "accepted"
         assert await job_ids(redis) == {"first", "beta-1", "second"}
         assert metric(gw, "tenant_admitted_total", tenant="acme") == 2
@@ -446,8 +453,8 @@ async def test_only_the_requests_tenant_can_read_resume_or_cancel_it(redis_url: 
         async with acme_http.stream("POST", "/completions", json=completion(stream=True),
                                     headers={"X-Request-Id": "secret-oa"}) as r:
             assert r.status_code == 200
-        await emit(redis, "secret", tokens("secret", range(0, 2)))
-        await emit(redis, "secret-oa", tokens("secret-oa", range(0, 2)))
+        for rid in ("acme/secret", "acme/secret-oa"):  # their ids in Redis: the tenant's namespace
+            await emit(redis, rid, tokens(rid, range(0, 2)))
         async with ws_as(gw, "kb") as ws:
             for frame in ({"type": "resume", "id": "secret", "after_seq": -1}, {"type": "cancel", "id": "secret"}):
                 await send(ws, frame)
@@ -459,14 +466,14 @@ async def test_only_the_requests_tenant_can_read_resume_or_cancel_it(redis_url: 
             r = await client.post("/completions", json=completion(stream=True),
                                   headers={"Last-Event-ID": "secret-oa:0"})
             assert r.status_code == 404, r.text
-        assert not await redis.exists(NAMES.cancelled("secret"))
-        async with ws_as(gw, "ka") as ws:  # its own tenant resumes it
+        assert not await redis.exists(NAMES.cancelled("acme/secret"))
+        async with ws_as(gw, "ka") as ws:  # its own tenant resumes it, by the id it gave
             await send(ws, {"type": "resume", "id": "secret", "after_seq": -1})
-            assert [(await recv(ws))["seq"] for _ in range(2)] == [0, 1]
-        async with ws_as(gw, "plain") as ws:  # and the operator's key may cancel anything
-            await send(ws, {"type": "cancel", "id": "secret"})
+            assert [((e := await recv(ws))["seq"], e["id"]) for _ in range(2)] == [(0, "secret"), (1, "secret")]
+        async with ws_as(gw, "plain") as ws:  # and the operator's key may cancel anything, by its full id
+            await send(ws, {"type": "cancel", "id": "acme/secret"})
             await asyncio.sleep(0.3)
-        assert await redis.exists(NAMES.cancelled("secret"))
+        assert await redis.exists(NAMES.cancelled("acme/secret"))
 
 
 @pytest.mark.anyio
@@ -478,3 +485,28 @@ async def test_two_tenants_naming_the_same_session_do_not_share_it(redis_url: st
         sessions = {(await the_job(redis, rid)).session for rid in ("a-s", "b-s")}
         assert sessions == {"acme/chat-1", "beta/chat-1"}
         assert NAMES.session("acme/chat-1") != NAMES.session("beta/chat-1")
+
+
+@pytest.mark.anyio
+async def test_two_tenants_may_use_the_same_request_id_without_meeting(redis_url: str,
+                                                                        redis: aioredis.Redis) -> None:
+    """acme and beta both name a request `same`, on /ws and on the OpenAI API: both are accepted, each
+    streams and resumes its own, and every frame names the id the client gave."""
+    async with running_gateway(tenant_config(redis_url, TenantLimits())) as gw, \
+            http_as(gw, "ka") as acme_http, http_as(gw, "kb") as beta_http:
+        for key in ("ka", "kb"):
+            async with ws_as(gw, key) as ws:
+                assert without_workers(await generate(ws, id="same", prompt="x")) == {"type": "accepted",
+                                                                                     "id": "same"}
+        for http in (acme_http, beta_http):
+            async with http.stream("POST", "/completions", json=completion(stream=True),
+                                   headers={"X-Request-Id": "same-oa"}) as r:
+                assert r.status_code == 200 and r.headers["X-Request-Id"] == "same-oa"
+        assert {job.id for job in await queued_jobs(redis)} == {"acme/same", "beta/same", "acme/same-oa",
+                                                                "beta/same-oa"}
+        for tenant, key in (("acme", "ka"), ("beta", "kb")):
+            await emit(redis, f"{tenant}/same", tokens(f"{tenant}/same", range(0, 1), text=tenant))
+            async with ws_as(gw, key) as ws:
+                await send(ws, {"type": "resume", "id": "same", "after_seq": -1})
+                event = await recv(ws)
+                assert (event["id"], event["text"]) == ("same", f"{tenant}0"), event

@@ -31,7 +31,7 @@ from workers.gateway.openai_response import Assembler, StreamMeta
 from workers.gateway.openai_stream import Position, sse_events
 from workers.gateway.routes import key_ok, request_token
 from workers.gateway.submit import submit_jobs
-from workers.gateway.tenants import RateLimited, may_access, tag
+from workers.gateway.tenants import RateLimited, job_id, may_access, tag
 
 log = logging.getLogger("streamer.gateway")
 _MODELS_TTL_S = 2.0  # how long the list of served models is reused
@@ -186,7 +186,8 @@ class OpenAIRoutes:
         many = len(req.prompts) > 1
         jobs = []
         for p, prompt in enumerate(req.prompts):
-            job = {"v": VERSION, "id": f"{meta.request_id}.{p}" if many else meta.request_id, **prompt,
+            own = f"{meta.request_id}.{p}" if many else meta.request_id
+            job = {"v": VERSION, "id": job_id(tenant, own), **prompt,
                    "params": req.params}
             if req.priority is not None:
                 job["priority"] = req.priority
@@ -204,13 +205,13 @@ class OpenAIRoutes:
         stream = JobStream(self.gw, meta)
 
         async def subscribe() -> None:
-            await hub.save_stream_meta(meta.request_id, meta.dumps())
+            await hub.save_stream_meta(job_id(tenant, meta.request_id), meta.dumps())
             await stream.watch(0, catch_up=False)  # subscribed before the jobs exist: no token is missed
             stream.pushed_at = time.monotonic()  # before the push: a token can arrive before it returns
 
         async def undo() -> None:
             stream.close(cancel=False)
-            await hub.drop_stream_meta(meta.request_id)
+            await hub.drop_stream_meta(job_id(tenant, meta.request_id))
 
         try:
             await submit_jobs(hub, self.gw.gate, tenant, jobs, self.gw.prompt_limit(), subscribe, undo)
@@ -219,7 +220,7 @@ class OpenAIRoutes:
         except ProtocolError as e:
             if e.code != "duplicate_id":
                 raise from_protocol(e) from e
-            raise OpenAIError(409, f"request id {e.request_id!r} is already in use", "X-Request-Id",
+            raise OpenAIError(409, f"request id {meta.request_id!r} is already in use", "X-Request-Id",
                               "duplicate_id") from e
         return stream
 
@@ -275,14 +276,15 @@ class OpenAIRoutes:
         position = Position.parse(after)
         if not ID_RE.match(rid):
             raise bad("not a request id of this server", "request_id")
-        text = await self.gw.hub.stream_meta(rid)
+        caller = self.gw.config.tenant_of(request_token(request))
+        text = await self.gw.hub.stream_meta(job_id(caller, rid))
         if text is None:
             raise OpenAIError(404, f"no stream {rid!r} (never created, or expired)", "request_id", "unknown_request")
         meta = StreamMeta.loads(text)
         if len(meta.jobs) != 1:
             raise bad("only a request with one prompt can be resumed", "request_id")
+        rid = meta.jobs[0]  # its id in Redis (a tenant's is namespaced)
         # Another tenant's request is answered as if it did not exist: its id tells a stranger nothing.
-        caller = self.gw.config.tenant_of(request_token(request))
         if not await self.gw.hub.known(rid) or not may_access(caller, await self.gw.hub.owner(rid)):
             raise OpenAIError(404, f"no stream {rid!r} (expired)", "request_id", "unknown_request")
         last = await self.gw.hub.last_event(rid)

@@ -32,7 +32,7 @@ from workers.gateway.hub import Hub
 from workers.gateway.metrics import Metrics
 from workers.gateway.socket_conn import SocketClosed, SocketConn
 from workers.gateway.submit import submit_jobs
-from workers.gateway.tenants import RateLimited, TenantGate, may_access, tag
+from workers.gateway.tenants import RateLimited, TenantGate, client_id, job_id, may_access, tag
 from workers.gateway.watch import FINAL_TYPES, Watch
 
 log = logging.getLogger("streamer.gateway")
@@ -168,9 +168,9 @@ class Session:
             await handler(obj)
         except RateLimited as e:  # `retry_after`: whole seconds (absent: retrying cannot help)
             extra = {} if e.retry_after_s is None else {"retry_after": e.retry_after_s}
-            self.error(e.request_id or rid, e.code, e.message, extra)
+            self.error(self._client_id(e.request_id) or rid, e.code, e.message, extra)
         except ProtocolError as e:
-            self.error(e.request_id or rid, e.code, e.message)
+            self.error(self._client_id(e.request_id) or rid, e.code, e.message)
         except TRANSIENT as e:
             self.metrics.inc("redis_errors_total")
             log.warning("request %s: Redis unavailable: %r", rid, e)
@@ -180,9 +180,13 @@ class Session:
             self.error(rid, "internal", f"the gateway failed on this frame ({type(e).__name__}); "
                        "retry, or report it if it persists")
 
+    def _client_id(self, rid: str | None) -> str | None:
+        """The id the client knows a request by: without the tenant that namespaces it in Redis."""
+        return None if rid is None else client_id(self.tenant, rid)
+
     def _accepted(self, rid: str) -> dict[str, Any]:
         """`workers: 0` tells the client at once that nobody is serving (the job still waits)."""
-        frame: dict[str, Any] = {"type": "accepted", "id": rid}
+        frame: dict[str, Any] = {"type": "accepted", "id": self._client_id(rid)}
         alive = self.workers_alive()
         if alive is not None:
             frame["workers"] = alive
@@ -201,6 +205,8 @@ class Session:
         picked = fields.get("id") is None
         if picked:
             fields["id"] = uuid.uuid4().hex
+        if isinstance(fields["id"], str):  # not a string: parse_job says what is wrong with it
+            fields["id"] = job_id(self.tenant, fields["id"])
         job = tag({"v": VERSION, **fields}, self.tenant)  # the key's tenant, whatever the frame said
         try:
             rid = check_job(job, self.limits, self.prompt_limit()).id
@@ -229,7 +235,7 @@ class Session:
             self.progress[rid] = placement
 
     async def _resume(self, obj: dict[str, Any]) -> None:
-        rid = frames.request_id(obj)
+        rid = job_id(self.tenant, frames.request_id(obj))
         after = obj.get("after_seq", -1)
         if not isinstance(after, int) or isinstance(after, bool) or not -1 <= after <= frames.MAX_SEQ:
             raise ProtocolError("invalid_request", "`after_seq` must be an integer >= -1 (the last seq "
@@ -253,13 +259,13 @@ class Session:
         if frames.wants_progress(obj):
             # What follows up to `last_seq` is replayed from Redis, not generated now: a client's
             # time to first token and tokens/s leave it out.
-            self.send(json.dumps({"type": "resumed", "id": rid, "last_seq": last_seq}))
+            self.send(json.dumps({"type": "resumed", "id": self._client_id(rid), "last_seq": last_seq}))
             if last_seq < 0:
                 self.progress[rid] = None
         await self._watch(rid, after + 1, catch_up=True)
 
     async def _cancel(self, obj: dict[str, Any]) -> None:
-        rid = frames.request_id(obj)
+        rid = job_id(self.tenant, frames.request_id(obj))
         if self.tenant:
             await self._check_known(rid)
         self.grace.keep(rid)
@@ -274,8 +280,12 @@ class Session:
     # --- relaying ----------------------------------------------------------------------------------
 
     async def _watch(self, rid: str, next_seq: int, *, catch_up: bool) -> None:
+        shown = self._client_id(rid)
+
         def on_event(event: dict[str, Any], text: str) -> None:
             self.metrics.inc("events_relayed_total")
+            if shown != rid:  # the worker wrote the tenant's namespaced id; the client knows its own
+                text = json.dumps({**event, "id": shown}, ensure_ascii=False, separators=(",", ":"))
             self.send(text)
             kind = event.get("type")
             if kind == "token" and rid in self._pushed_at and not self.closing:  # sent, not dropped
@@ -315,7 +325,7 @@ class Session:
             for rid, status in statuses.items():
                 if rid in self.progress and self._sent_status.get(rid) != status:
                     self._sent_status[rid] = status
-                    self.send(json.dumps(status.frame(rid)))
+                    self.send(json.dumps(status.frame(self._client_id(rid) or rid)))
 
     def _forget(self, rid: str) -> None:
         self._pushed_at.pop(rid, None)

@@ -42,6 +42,18 @@ def tag(job: dict[str, Any], tenant: str, session: str | None = None) -> dict[st
     return job
 
 
+def job_id(tenant: str, client_id: str) -> str:
+    """The id a tenant's request has in Redis: its own name for it, prefixed with the tenant, so two
+    tenants using the same id never meet (keys without a tenant use their ids as they are)."""
+    return f"{tenant}/{client_id}" if tenant else client_id
+
+
+def client_id(tenant: str, request_id: str) -> str:
+    """The id a tenant's client knows a request by (job_id's inverse)."""
+    prefix = f"{tenant}/"
+    return request_id[len(prefix):] if tenant and request_id.startswith(prefix) else request_id
+
+
 def owner_claim(tenant: str, token: str) -> str:
     """The value of a gateway's claim on an id: whose request it is, and which push made it."""
     return f"{tenant}/{token}"
