@@ -5,9 +5,10 @@ unconstrained requests sharing the batch pay, in one run.
 
 On the 110M random Llama (32k vocab, fp32): for each batch size, the same greedy decode steps run
 (1) unconstrained, (2) every request constrained by a large nested JSON schema, (3) half and half.
-Reported per step: the mean step time of each, the time the sampler spends on grammar masks (timed
-around streamer.grammar.apply_masks), mask time as a share of the step, and the unconstrained
-requests' step time in the mixed batch against the all-unconstrained one.
+Reported per step: the mean step time of each, the time the step spends on grammar masks (timed
+around streamer.grammar.apply_masks, and around the wait for the mask thread's fills before each
+schedule, MaskFiller.settle: the fills themselves run beside the step), mask time as a share of the
+step, and the unconstrained requests' step time in the mixed batch against the all-unconstrained one.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/kernels.py must not shadow `kernels`
 
@@ -49,16 +51,19 @@ SCHEMA = {"type": "object", "additionalProperties": False,
 
 
 class MaskTimer:
-    """Wraps the sampler's apply_masks to add up its time."""
+    """Wraps a function (the sampler's apply_masks, the engine's wait for fills) to add up its time."""
 
-    def __init__(self) -> None:
+    def __init__(self, inner: Any, total: MaskTimer | None = None) -> None:
         self.seconds = 0.0
-        self.inner = sampler_module.apply_masks
+        self.inner, self.total = inner, total
 
     def __call__(self, *args: object) -> None:
         start = time.perf_counter()
         self.inner(*args)
-        self.seconds += time.perf_counter() - start
+        spent = time.perf_counter() - start
+        for timer in (self, self.total):
+            if timer is not None:
+                timer.seconds += spent
 
 
 def run(engine: LLMEngine, batch: int, constrained: int, steps: int, timer: MaskTimer) -> tuple[float, float]:
@@ -89,11 +94,13 @@ def main() -> None:
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "streamer" / "bench")
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(model=str(bench_checkpoint(args.cache_dir)), dtype="float32"))
-    timer = MaskTimer()
+    timer = MaskTimer(sampler_module.apply_masks)
     sampler_module.apply_masks = timer  # the sampler looks the name up at call time
     start = time.perf_counter()
     engine.grammars().compile({"json": SCHEMA})
     compile_s = time.perf_counter() - start
+    masks = engine.grammars().masks
+    masks.settle = MaskTimer(masks.settle, timer)  # type: ignore[method-assign]
     rows = []
     batches = [int(b) for b in args.batches.split(",")]
     for b in batches:  # warm-up: the first steps of each shape pay for oneDNN's kernel choice

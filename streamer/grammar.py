@@ -20,7 +20,7 @@ import torch
 from streamer.errors import GrammarError
 from streamer.grammar_compile import CompilePool
 from streamer.grammar_masks import Budgets, MaskFiller, RequestBudget
-from streamer.structured_outputs import spec_key
+from streamer.structured_outputs import DATA_KEYWORDS, SCHEMA_MAPS, spec_key
 
 CACHE_SIZE = 256  # compiled grammars kept, by spec
 
@@ -99,8 +99,6 @@ class GrammarCompiler:
 # JSON Schema keywords xgrammar 0.2 skips without a word (bench/grammar_engines.py checks each one):
 # refused instead, so a schema is never enforced only in part.
 IGNORED_KEYWORDS = frozenset({"uniqueItems", "allOf", "if", "then", "else", "not", "patternProperties"})
-# Keywords whose value maps names to subschemas (the names themselves are not keywords).
-_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "dependentSchemas"})
 
 
 def _ignored_keywords(schema: Any) -> set[str]:
@@ -113,9 +111,9 @@ def _ignored_keywords(schema: Any) -> set[str]:
         elif isinstance(node, dict):
             found |= IGNORED_KEYWORDS & set(node)
             for key, value in node.items():
-                if key in _SCHEMA_MAPS and isinstance(value, dict):
+                if key in SCHEMA_MAPS and isinstance(value, dict):
                     stack.extend(value.values())
-                elif key not in ("enum", "const", "default", "examples"):  # data, not schemas
+                elif key not in DATA_KEYWORDS:
                     stack.append(value)
     return found
 

@@ -17,6 +17,10 @@ import json
 from typing import Any
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# In a JSON Schema: keywords whose value maps names to subschemas (the names are not keywords), and
+# keywords whose value is data, not a schema (nothing in it is a keyword or a `$ref`).
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 MAX_SPEC_BYTES = 64 * 1024  # a schema is limited by size (and compile time), not by nesting depth
 MAX_CHOICES = 1024
 

@@ -13,6 +13,7 @@ import hashlib
 from typing import Any
 
 from clients.protocol import Job
+from streamer.structured_outputs import DATA_KEYWORDS, SCHEMA_MAPS
 from streamer.tool_parsers import FAMILIES, JsonArrayToolParser, NamedToolParser, ToolParser, family_of
 
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: omitted = none
@@ -50,10 +51,6 @@ def required_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
             "$defs": defs}
 
 
-_DATA = frozenset({"enum", "const", "default", "examples"})  # values, not schemas: no `$ref` in them is one
-_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
-
-
 def _moved(schema: Any, root: str) -> Any:
     """`schema` with every root-relative `$ref` (`#`, `#/...`) pointing under `root` instead."""
     if isinstance(schema, list):
@@ -64,10 +61,10 @@ def _moved(schema: Any, root: str) -> Any:
     for key, value in schema.items():
         if key == "$ref" and isinstance(value, str) and value.startswith("#"):
             moved[key] = root + value[1:]
-        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # names mapped to schemas: any name is a name
+        elif key in SCHEMA_MAPS and isinstance(value, dict):  # names mapped to schemas: any name is a name
             moved[key] = {name: _moved(s, root) for name, s in value.items()}
         else:
-            moved[key] = value if key in _DATA else _moved(value, root)
+            moved[key] = value if key in DATA_KEYWORDS else _moved(value, root)
     return moved
 
 
