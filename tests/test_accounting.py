@@ -6,6 +6,7 @@ correction at its boundaries is in test_serving_boundaries.py."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 
 import anyio
@@ -199,11 +200,16 @@ async def test_a_refused_write_does_not_stop_the_rest_of_the_flush(r: aioredis.R
 
 @pytest.mark.anyio
 async def test_what_a_failed_flush_held_goes_out_with_the_next(r: aioredis.Redis) -> None:
-    acc = make(r)
-    acc.started(Job("j1", "json", messages=CHAT, session="chat-1"))
-    acc.finished(Job("j1", "json", messages=CHAT, tenant="acme"), 10, "acme", 0.0, None)
+    capacity = [100]
+    acc = Accounting(r, NAMES, ME, TTL_MS, capacity=lambda: capacity[0])
+    acc.prefixes.add(chain([10, 20], "a"))
+    await acc.flush()  # the whole set is written: the next flushes send only what changed
+    acc.started(Job("j1", "json", prompt="x", session="chat-1"))
+    acc.finished(Job("j1", "json", prompt="x", tenant="acme"), 10, "acme", 0.0, None)
     await r.zadd(NAMES.tenant_active("acme"), {"j1": 1})
-    acc.redis = aioredis.Redis(host="127.0.0.1", port=1, retry=Retry(NoBackoff(), 0))  # nothing listens: fails
+    capacity[0] = 20
+    acc.prefixes.add(chain([10, 20], "c"))  # c in, a out
+    acc.redis = unreachable()
     with pytest.raises(RedisConnectionError):
         await acc.flush()
     await acc.redis.aclose()
@@ -211,15 +217,29 @@ async def test_what_a_failed_flush_held_goes_out_with_the_next(r: aioredis.Redis
     await acc.flush()
     assert await r.get(NAMES.session("chat-1")) == ME.encode()
     assert await r.hget(NAMES.service, "acme") == b"10" and not await r.exists(NAMES.tenant_active("acme"))
-    assert await advertised(r) == {s.digest for s in prefix_chain({"messages": CHAT})}
+    assert await advertised(r) == {"c0", "c1"}
+
+
+def unreachable() -> aioredis.Redis:
+    """A client of a port nothing listens on, failing at once (no retries)."""
+    return aioredis.Redis(host="127.0.0.1", port=1, retry=Retry(NoBackoff(), 0))
 
 
 @pytest.mark.anyio
-async def test_the_loop_flushes_every_quarter_second(r: aioredis.Redis) -> None:
+async def test_the_loop_flushes_every_quarter_second_and_rides_out_a_failure(
+        r: aioredis.Redis, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="streamer.worker")
     acc = make(r)
+    acc.redis = unreachable()
     async with anyio.create_task_group() as tg:
         tg.start_soon(acc.loop)
         acc.started(Job("j1", "json", prompt="x", session="chat-1"))
+        with anyio.fail_after(10 * FLUSH_S + 5):
+            while "accounting flush failed" not in caplog.text:
+                await anyio.sleep(0.02)
+        assert "accounting flush failed (Error 111 connecting to 127.0.0.1:1" in caplog.text
+        await acc.redis.aclose()
+        acc.redis = r
         with anyio.fail_after(10 * FLUSH_S + 5):
             while not await r.exists(NAMES.session("chat-1")):
                 await anyio.sleep(0.02)
