@@ -51,6 +51,14 @@ async def test_connections_slow_to_send_their_headers_are_closed(redis_url: str)
             assert (await recv(ws))["code"] == "unknown_request"
 
 
+def test_the_header_deadline_is_a_flag() -> None:
+    from workers.cli.main import command_parser
+    from workers.gateway.command import config_from_args
+
+    assert config_from_args(command_parser("gateway").parse_args([])).header_timeout_s == 10.0
+    assert config_from_args(command_parser("gateway").parse_args(["--header-timeout", "2.5"])).header_timeout_s == 2.5
+
+
 @pytest.mark.anyio
 async def test_max_tokens_past_any_bound_is_refused_on_both_apis(redis_url: str) -> None:
     async with running_gateway(config(redis_url)) as gw:

@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="accept this API key (repeat for several); none given: no key needed")
     parser.add_argument("--api-keys-file", type=Path, default=None,
                         help="file with one API key per line (# comments allowed), or JSON/TOML naming "
-                             "tenants (share, max_concurrent, tokens_per_minute) and each key's tenant "
+                             "tenants (share, max_concurrent, tokens_per_minute, min_priority) and each key's tenant "
                              "(docs/gateway.md#tenants)")
     parser.add_argument("--insecure-no-auth", action="store_true",
                         help="serve without an API key on a non-loopback --host (anyone who reaches the "
@@ -66,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "cancelled (0: at once)")
     parser.add_argument("--request-ttl", type=float, default=d.request_ttl_s,
                         help="seconds the gateway's id claims and cancel markers live in Redis")
+    parser.add_argument("--header-timeout", type=float, default=d.header_timeout_s,
+                        help="seconds a connection has to send a request's headers (slow clients are cut off)")
     parser.add_argument("--web-root", type=Path, default=d.web_root, help="directory of the chat page")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
 
@@ -90,7 +92,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          max_prompt_tokens=args.max_prompt_tokens, max_connections=args.max_connections,
                          max_queued_jobs=args.max_queued_jobs,
                          send_queue_bytes=args.send_queue_bytes, cancel_grace_s=args.cancel_grace,
-                         request_ttl_s=args.request_ttl, web_root=args.web_root)
+                         request_ttl_s=args.request_ttl, header_timeout_s=args.header_timeout,
+                         web_root=args.web_root)
 
 
 def run(args: argparse.Namespace) -> int:
