@@ -68,7 +68,7 @@ class MaskFiller:
         self._settled = threading.Condition(self._lock)
         self._lanes: dict[int, str] = {}  # thread ident -> the lane it serves (threads left inside a fill: none)
         # thread ident -> (its state, its CPU clock, the clock when the fill began, its native id)
-        self._running: dict[int, tuple[Fillable, int, float, int]] = {}
+        self._running: dict[int, tuple[Fillable, int | None, float, int]] = {}
         self._abandoned: set[int] = set()
         self._failures: dict[str, str] = {}
         self._awaited: set[Fillable] = set()  # fast fills the next schedule waits for
@@ -89,7 +89,7 @@ class MaskFiller:
         with self._settled:
             if self._awaited and not self._settled.wait_for(lambda: not self._awaited, SETTLE_S):
                 for ident, (state, clock, start, native) in list(self._running.items()):
-                    if self._lanes.get(ident) == FAST and time.clock_gettime(clock) - start >= FAST_S:
+                    if self._lanes.get(ident) == FAST and _cpu_seconds(clock) - start >= FAST_S:
                         self._awaited.discard(state)
                         self._lanes[ident] = SLOW
                         _set_priority(native, SLOW_NICE)
@@ -100,7 +100,7 @@ class MaskFiller:
         are still running past theirs."""
         with self._lock:
             for ident, (state, clock, start, native) in list(self._running.items()):
-                if ident not in self._abandoned and self._charge(state.budget, time.clock_gettime(clock) - start,
+                if ident not in self._abandoned and self._charge(state.budget, _cpu_seconds(clock) - start,
                                                                  running=True):
                     self._abandon(ident, state, native)
             failures, self._failures = self._failures, {}
@@ -118,7 +118,7 @@ class MaskFiller:
 
     def _run(self, lane: str) -> None:
         me = threading.get_ident()
-        clock, native = time.pthread_getcpuclockid(me), threading.get_native_id()
+        clock, native = _thread_clock(me), threading.get_native_id()
         if lane == SLOW:
             _set_priority(native, SLOW_NICE)
         while True:
@@ -139,12 +139,12 @@ class MaskFiller:
                     return
             self.filled.set()
 
-    def _fill(self, me: int, clock: int, native: int, state: Fillable) -> None:
-        start = time.clock_gettime(clock)
+    def _fill(self, me: int, clock: int | None, native: int, state: Fillable) -> None:
+        start = _cpu_seconds(clock)
         with self._lock:
             self._running[me] = (state, clock, start, native)
         state.fill()
-        state.last_fill_s = used = time.clock_gettime(clock) - start
+        state.last_fill_s = used = _cpu_seconds(clock) - start
         with self._lock:
             del self._running[me]
             if me not in self._abandoned:
@@ -186,3 +186,14 @@ class MaskFiller:
 def _set_priority(native_thread_id: int, nice: int) -> None:
     with contextlib.suppress(OSError):  # on Linux, the priority of that one thread; elsewhere it stays
         os.setpriority(os.PRIO_PROCESS, native_thread_id, nice)
+
+
+def _thread_clock(ident: int) -> int | None:
+    """The CPU clock of a thread (Linux and most Unixes); None where there is none (macOS)."""
+    getter = getattr(time, "pthread_getcpuclockid", None)
+    return None if getter is None else getter(ident)
+
+
+def _cpu_seconds(clock: int | None) -> float:
+    """A thread's CPU time; without a per-thread clock, wall time stands in (budgets then count waits too)."""
+    return time.monotonic() if clock is None else time.clock_gettime(clock)
