@@ -121,7 +121,7 @@ TARGETS: dict[str, Target] = {
     "reclaim": Target("workers/worker/reclaim.py", ("tests/test_worker_deliveries.py", "tests/test_bounded_redis.py")),
     # The gateway, with the worker's side played by the tests (no model) except test_openai_api.py.
     "admission": Target("workers/gateway/admission.py", ("tests/test_admission.py", "tests/test_gateway_limits.py")),
-    "tenants": Target("workers/gateway/tenants.py", ("tests/test_gateway_tenants.py",)),
+    "tenants": Target("workers/gateway/tenants.py", ("tests/test_tenant_rules.py", "tests/test_gateway_tenants.py")),
     "session": Target("workers/gateway/session.py", ("tests/test_gateway.py", "tests/test_gateway_limits.py")),
     "openai_routes": Target("workers/gateway/openai_routes.py", ("tests/test_openai_api.py",)),
 }

@@ -1,0 +1,59 @@
+"""The tenant rules of workers/gateway/tenants.py as pure functions, each at its edges: whose requests a
+key may touch, the most urgent priority a tenant may ask for, what a job is charged, and the exact
+refusal a client gets for each limit. The same rules against a real gateway and Redis are in
+test_gateway_tenants.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from clients.errors import ProtocolError
+from workers.gateway.keys_file import TenantLimits
+from workers.gateway.tenants import _refusal, charge, check_priority, may_access, owner_claim
+
+
+@pytest.mark.parametrize(("caller", "claim", "allowed"), [
+    ("", None, True), ("", b"acme/t1", True),  # the operator's key (no tenant) touches any request
+    ("acme", owner_claim("acme", "t1").encode(), True), ("acme", "acme/t1", True),
+    ("acme", b"beta/t1", False), ("acme", None, False),  # another tenant's, or pushed without a gateway
+    ("acme", b"acme/x/y", True), ("acme/x", b"acme/x/y", False),  # the tenant is what comes before the first /
+    ("acme", b"\xffacme/t1", False),  # not UTF-8: no tenant's
+])
+def test_whose_requests_a_key_may_touch(caller: str, claim: bytes | str | None, allowed: bool) -> None:
+    assert may_access(caller, claim) is allowed
+
+
+def test_the_most_urgent_priority_a_tenant_may_ask_for() -> None:
+    limits = TenantLimits(min_priority=-2)
+    check_priority("acme", limits, [{"id": "a", "priority": -2}, {"id": "b"}, {"id": "c", "priority": 5}])
+    with pytest.raises(ProtocolError) as refused:
+        check_priority("acme", limits, [{"id": "a", "priority": -2}, {"id": "b", "priority": -3}])
+    assert (refused.value.code, refused.value.request_id) == ("invalid_request", "b")
+    assert refused.value.message == ("`priority` -3 is more urgent than tenant 'acme' may use (at least -2; "
+                                     "lower runs first)")
+    # A job without a priority has the default, 0: refused where even that is too urgent.
+    with pytest.raises(ProtocolError):
+        check_priority("acme", TenantLimits(min_priority=1), [{"id": "b"}])
+
+
+def test_a_jobs_charge_counts_only_text_in_its_messages() -> None:
+    messages = [{"role": "user", "content": "x" * 40, "name": "u"}, {"role": "assistant", "content": None}]
+    # 40 + 4 + 1 + 9 + 1 characters of text ("user", "u", "assistant"; None is no text) -> 13 tokens.
+    assert charge({"messages": messages, "params": {"max_tokens": 7}}) == 55 // 4 + 7
+
+
+@pytest.mark.parametrize(("reason", "retry_ms", "retry", "message"), [
+    ("concurrency", -1, None, "the request has 3 prompts; tenant 'acme' may run at most 2 at once"),
+    ("concurrency", 1000, 1, "tenant 'acme' has 2 requests running (limit 2); retry when one finishes"),
+    ("tokens", -1, None, "the request needs 900 tokens (prompt + max_tokens); tenant 'acme' may use 500 per "
+                         "minute: lower max_tokens or shorten the prompt"),
+    ("tokens", 1, 1, "tenant 'acme' is over its tokens per minute: limit 500, used 2, requested 900; retry in 1 s"),
+    ("tokens", 1001, 2, "tenant 'acme' is over its tokens per minute: limit 500, used 2, requested 900; retry in "
+                        "2 s"),  # whole seconds, rounded up
+])
+def test_each_refusal_says_what_and_when(reason: str, retry_ms: int, retry: int | None, message: str) -> None:
+    limits = TenantLimits(max_concurrent=2, tokens_per_minute=500)
+    refused = _refusal("acme", limits, reason, retry_ms, used=2, jobs=3, tokens=900, request_id="r:1")
+    assert (refused.tenant, refused.reason, refused.retry_after_s, refused.message, refused.request_id) == (
+        "acme", reason, retry, message, "r:1")
+    assert refused.code == ("request_too_large" if retry is None else "rate_limited")
