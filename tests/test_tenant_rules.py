@@ -6,10 +6,13 @@ test_gateway_tenants.py."""
 from __future__ import annotations
 
 import pytest
+import redis.asyncio as aioredis
 
 from clients.errors import ProtocolError
+from clients.names import Names
 from workers.gateway.keys_file import TenantLimits
-from workers.gateway.tenants import _refusal, charge, check_priority, may_access, owner_claim
+from workers.gateway.metrics import Metrics
+from workers.gateway.tenants import TenantGate, _refusal, charge, check_priority, may_access, owner_claim
 
 
 @pytest.mark.parametrize(("caller", "claim", "allowed"), [
@@ -57,3 +60,27 @@ def test_each_refusal_says_what_and_when(reason: str, retry_ms: int, retry: int 
     assert (refused.tenant, refused.reason, refused.retry_after_s, refused.message, refused.request_id) == (
         "acme", reason, retry, message, "r:1")
     assert refused.code == ("request_too_large" if retry is None else "rate_limited")
+
+
+@pytest.mark.anyio
+async def test_release_gives_back_exactly_the_named_jobs_or_all(redis_url: str) -> None:
+    r = aioredis.Redis.from_url(redis_url)
+    names = Names()
+    gate = TenantGate(r, names, {"acme": TenantLimits(max_concurrent=5, tokens_per_minute=10_000)}, Metrics(), 60)
+    jobs = [{"id": f"j{i}", "prompt": "x" * 40, "params": {"max_tokens": 10 * (i + 1)}} for i in range(3)]
+    reservation = await gate.admit("acme", jobs)
+    assert reservation is not None and reservation.charges == {"j0": 20, "j1": 30, "j2": 40}
+
+    async def held() -> tuple[list[bytes], int]:
+        return sorted(await r.zrange(names.tenant_active("acme"), 0, -1)), int(await r.get(reservation.counter))
+
+    assert await held() == ([b"j0", b"j1", b"j2"], 90)
+    await gate.release(reservation, ["j1", "never-admitted"])  # an id it does not hold charges nothing
+    assert await held() == ([b"j0", b"j2"], 60)
+    await gate.release(reservation, [])
+    assert await held() == ([b"j0", b"j2"], 60)
+    other = await gate.admit("acme", [{"id": "k", "prompt": "x" * 40, "params": {"max_tokens": 5}}])
+    assert await held() == ([b"j0", b"j2", b"k"], 75)
+    await gate.release(other)  # all of that reservation's: nothing of the first
+    assert await held() == ([b"j0", b"j2"], 60)
+    await r.aclose()
