@@ -2,9 +2,9 @@
 
 No full-vocabulary sort. A row with a top-k, or whose min-p / top-p cut falls among its
 `nucleus_candidates` most likely tokens (almost always, for a trained model), works on that many
-tokens picked by selection (`topk`); a row with no rule at all draws from the whole vocabulary in
-its own order. Only a row whose nucleus is wider than the candidates (a nearly flat distribution)
-pays for a sort. Weights are left unnormalised (`exp((x - max) / T)`, zero where a rule removes
+tokens picked by selection (`topk`), else on 8x as many; a row with no rule at all draws from the
+whole vocabulary in its own order. Only a row whose nucleus is wider still (a nearly flat
+distribution) pays for a sort. Weights are left unnormalised (`exp((x - max) / T)`, zero where a rule removes
 the token): the draw and `probabilities` normalise by the kept mass, and a row's weights are the
 same bits whatever else is in its batch.
 """
@@ -76,12 +76,13 @@ def candidates(logits: torch.Tensor, rules: Rules, nucleus_candidates: int = NUC
     if ranked.numel():
         groups.append(_truncated(logits[ranked], rules.take(ranked), ranked, int(rules.top_k[ranked].max()))[0])
     nucleus = _rows(truncates & ~has_k)
-    if nucleus.numel():
-        group, covered = _truncated(logits[nucleus], rules.take(nucleus), nucleus, min(vocab, nucleus_candidates))
+    # Rows whose nucleus reaches past the candidates try 8x as many, and at last the whole row.
+    for width in (nucleus_candidates, 8 * nucleus_candidates, vocab):
+        if not nucleus.numel():
+            break
+        group, covered = _truncated(logits[nucleus], rules.take(nucleus), nucleus, min(vocab, width))
         groups.append(_keep(group, covered))
-        wide = nucleus[~covered]
-        if wide.numel():  # the nucleus reaches past the candidates: select those rows whole
-            groups.append(_truncated(logits[wide], rules.take(wide), wide, vocab)[0])
+        nucleus = nucleus[~covered]
     return [g for g in groups if g.rows.numel()]
 
 
