@@ -55,9 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=port_number, default=8000, help="gateway port (0: any free port)")
     parser.add_argument("--device", default=None, help="device for the worker: cpu, cuda or cuda:N "
                                                        "(default: CUDA if available, else CPU)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="the worker's weights and compute (default: the checkpoint's on GPU; on CPU "
-                             "bfloat16 where it has AVX-512 BF16 or AMX, else float32)")
+    # (no choices here: STREAMER_DTYPE means the same to `worker`, which checks the value)
+    parser.add_argument("--dtype", default=None,
+                        help="the worker's weights and compute: float32, bfloat16 or float16 (default: the "
+                             "checkpoint's on GPU; on CPU bfloat16 where it has AVX-512 BF16 or AMX, else float32)")
     parser.add_argument("--metrics-port", type=optional_port, default=0,
                         help="the worker serves Prometheus metrics on this port (vLLM's names; 0: off)")
     parser.add_argument("--startup-timeout", type=float, default=900.0,
