@@ -12,7 +12,18 @@ from clients.errors import ProtocolError
 from clients.names import Names
 from workers.gateway.keys_file import TenantLimits
 from workers.gateway.metrics import Metrics
-from workers.gateway.tenants import TenantGate, _refusal, charge, check_priority, may_access, owner_claim
+from workers.gateway.tenants import (
+    DEFAULT_MAX_TOKENS,
+    RateLimited,
+    TenantGate,
+    _refusal,
+    charge,
+    check_priority,
+    client_id,
+    job_id,
+    may_access,
+    owner_claim,
+)
 
 
 @pytest.mark.parametrize(("caller", "claim", "allowed"), [
@@ -83,4 +94,52 @@ async def test_release_gives_back_exactly_the_named_jobs_or_all(redis_url: str) 
     assert await held() == ([b"j0", b"j2", b"k"], 75)
     await gate.release(other)  # all of that reservation's: nothing of the first
     assert await held() == ([b"j0", b"j2"], 60)
+    await r.aclose()
+
+
+@pytest.mark.parametrize(("params", "samples"), [
+    ({}, 1), ({"n": 3}, 3), ({"n": 0}, 1), ({"n": "3"}, 1),  # n: a positive int, else one sample
+    ({"n": 2, "use_beam_search": True}, 4), ({"n": 6, "use_beam_search": True}, 6),  # beams: the width, 4 by default
+    ({"use_beam_search": True, "beam_width": 2}, 2), ({"use_beam_search": True, "beam_width": 1}, 1),
+    ({"use_beam_search": True, "beam_width": 0}, 4), ({"use_beam_search": True, "beam_width": "8"}, 4),
+])
+def test_a_job_is_charged_per_sample_or_beam(params: dict, samples: int) -> None:
+    assert charge({"prompt_token_ids": [1] * 10, "params": {**params, "max_tokens": 5}}) == 10 + samples * 5
+
+
+def test_a_jobs_prompt_is_charged_in_estimated_tokens() -> None:
+    assert charge({"prompt": "x" * 41, "params": {"max_tokens": 0}}) == 10  # 41 // 4, a whole number
+    assert type(charge({"prompt": "x" * 41, "params": {"max_tokens": 0}})) is int
+    assert charge({"prompt": "", "params": {"max_tokens": 0}}) == 1  # at least a token
+    tools = [{"type": "function", "function": {"name": "f" * 20}}]  # "function" + 20 characters
+    assert charge({"messages": [{"role": "user", "content": "x" * 12}], "tools": tools, "params": {"max_tokens": 0}}) \
+        == (4 + 12 + 8 + 20) // 4
+    assert charge({"messages": [{"role": "u", "content": ""}], "params": {"max_tokens": 0}}) == 1
+    # No max_tokens: the default; null: up to the longest prompt the workers take (at least the default).
+    assert charge({"prompt_token_ids": [1], "params": {}}) == 1 + DEFAULT_MAX_TOKENS
+    assert charge({"prompt_token_ids": [1], "params": {"max_tokens": None}}, prompt_limit=100_001) == 100_001
+
+
+def test_a_clients_id_is_its_request_id_less_its_own_tenant() -> None:
+    assert client_id("acme", job_id("acme", "r:1")) == "r:1" and job_id("", "r:1") == "r:1"
+    assert client_id("", "acme/r:1") == "acme/r:1" and client_id("acme", "beta/r:1") == "beta/r:1"
+
+
+@pytest.mark.anyio
+async def test_admission_refuses_naming_the_tenant_the_prompts_and_the_request(redis_url: str) -> None:
+    r = aioredis.Redis.from_url(redis_url)
+    limits = {"acme": TenantLimits(max_concurrent=1, tokens_per_minute=1000, min_priority=-1)}
+    gate = TenantGate(r, Names(), limits, Metrics(), 60)
+    two = [{"id": rid, "prompt": "x", "params": {"max_tokens": 1}} for rid in ("a", "b")]
+    with pytest.raises(RateLimited) as refused:
+        await gate.admit("acme", two)
+    assert refused.value.message == "the request has 2 prompts; tenant 'acme' may run at most 1 at once"
+    assert refused.value.request_id is None  # several prompts: no one request id
+    with pytest.raises(ProtocolError, match="tenant 'acme' may use"):
+        await gate.admit("acme", [{"id": "p", "prompt": "x", "priority": -2, "params": {"max_tokens": 1}}])
+    unbounded = [{"id": "c", "prompt_token_ids": [1] * 10, "params": {"max_tokens": None}}]
+    with pytest.raises(RateLimited) as too_big:  # charged up to the prompt limit given: over 1000 a minute
+        await gate.admit("acme", unbounded, prompt_limit=5000)
+    assert (too_big.value.request_id, too_big.value.code) == ("c", "request_too_large")
+    assert "the request needs 5000 tokens" in too_big.value.message
     await r.aclose()
