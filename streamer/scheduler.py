@@ -143,7 +143,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new == 0 or not _mask_ready(seq):  # a beam waiting for its siblings, or for its token mask
+            if num_new == 0 or not self._mask_ready(seq):  # a beam waiting for its siblings, or for its token mask
                 i += 1
                 continue
             while not self.block_manager.allocate(seq, num_new):
@@ -164,7 +164,7 @@ class Scheduler:
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek()
             hit = bm.find_cached_prefix(seq)
-            if hit.pending or not _mask_ready(seq):  # shared on its next step / its first mask is still filling
+            if hit.pending or not self._mask_ready(seq):  # shared on its next step / its first mask is still filling
                 held.append(self.waiting.pop_entry())
                 continue
             num_new = min(seq.num_tokens - hit.num_tokens, budget)
@@ -183,6 +183,15 @@ class Scheduler:
             budget -= num_new
         for entry in held:
             self.waiting.push_entry(entry)
+
+    def _mask_ready(self, seq: Sequence) -> bool:
+        """Whether the next-token masks of a constrained sequence, and of the samples to be forked from it
+        (they draw from its row when its prompt is done), are filled (grammar_masks.py: masks are filled
+        off the step; a sequence whose mask is late waits instead of holding the step up)."""
+        if seq.grammar is not None and not seq.grammar.ready:
+            return False
+        forks = self._forks.get(seq.seq_id)
+        return not forks or all(s.grammar is None or s.grammar.ready for s in forks)
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """The waiting head is more urgent than some running sequences and finds no seat or no
@@ -340,9 +349,3 @@ class Scheduler:
             "num_sessions": len(self.service),
             **self.counters.as_dict(),
         }
-
-
-def _mask_ready(seq: Sequence) -> bool:
-    """Whether a constrained sequence's next-token mask is filled (grammar_masks.py: masks are filled
-    off the step, and a sequence whose mask is late waits instead of holding the step up)."""
-    return seq.grammar is None or seq.grammar.ready

@@ -6,6 +6,7 @@ requests alone fail, each with `invalid_params` naming the budget it went over."
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import anyio
@@ -92,3 +93,31 @@ async def test_a_compile_over_its_limit_is_refused_and_a_plain_request_is_not_he
         assert plain.finish_reason == "length"
         refused = await outcome(client, slow)
     assert refused.startswith("invalid_params: ") and "grammar_compile_timeout_s" in refused, refused
+
+
+def test_samples_forked_after_the_prompt_wait_for_their_first_masks(ckpt: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Samples 1..n-1 draw their first token from sample 0's last prompt row: that row waits until their
+    masks are filled too (a slow mask thread here), and every sample stays inside the grammar."""
+    from streamer.grammar import GrammarState
+
+    fill = GrammarState.fill
+
+    def slow_fill(state: GrammarState) -> None:
+        time.sleep(0.05)
+        fill(state)
+
+    monkeypatch.setattr(GrammarState, "fill", slow_fill)
+    engine = LLMEngine(EngineConfig(model=str(ckpt), num_kv_blocks=256))
+    try:
+        engine.add_request("forked", "x", SamplingParams(n=4, temperature=1.0, seed=2, max_tokens=8,
+                                                         structured_outputs={"choice": ["yes", "no way"]}))
+        texts = ["", "", "", ""]
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                assert out.error is None, out.error
+                for c in out.outputs:
+                    texts[c.index] += c.text
+        assert all(text in ("yes", "no way") for text in texts), texts
+    finally:
+        engine.shutdown()
