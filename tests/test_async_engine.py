@@ -13,7 +13,8 @@ from streamer import LLM, AsyncEngine, EngineConfig, QueueFullError, SamplingPar
 async def test_concurrent_streams_match_offline(llama_ckpt):
     prompts = [f"request number {i}" for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=12)
-    offline = [o.outputs[0].token_ids for o in LLM(str(llama_ckpt), num_kv_blocks=64).generate(prompts, params)]
+    llm = LLM(str(llama_ckpt), dtype="float32", num_kv_blocks=64)
+    offline = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     async with AsyncEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", num_kv_blocks=64)) as engine:
         async def run(i: int) -> tuple[list[int], int]:
             tokens, deltas = [], 0
@@ -60,7 +61,8 @@ async def test_leaving_early_aborts_and_frees_blocks(llama_ckpt):
 
 @pytest.mark.anyio
 async def test_rejections_raise_before_any_output(llama_ckpt):
-    config = EngineConfig(model=str(llama_ckpt), dtype="float32", num_kv_blocks=64, max_waiting_requests=1, max_num_seqs=1)
+    config = EngineConfig(model=str(llama_ckpt), dtype="float32", num_kv_blocks=64, max_waiting_requests=1,
+                          max_num_seqs=1)
     async with AsyncEngine(config) as engine:
         with pytest.raises(ValueError, match="at most"):
             async for _ in engine.generate({"prompt_token_ids": [5] * 4000}, SamplingParams(), "long"):
@@ -99,7 +101,8 @@ async def test_prompts_are_tokenized_off_the_engine_thread_and_hopeless_ones_not
     """A long prompt must delay only its own request: it is tokenized on the tokenizer thread, never on
     the engine's (which would stall every stream) or the event loop; a text longer than the model's
     length times the longest vocabulary entry is refused without being tokenized."""
-    async with AsyncEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", num_kv_blocks=64, max_model_len=256)) as engine:
+    config = EngineConfig(model=str(llama_ckpt), dtype="float32", num_kv_blocks=64, max_model_len=256)
+    async with AsyncEngine(config) as engine:
         recording = engine._prompts.tokenizer = RecordingTokenizer(engine._prompts.tokenizer)
         params = SamplingParams(temperature=0, max_tokens=4)
         outs = [out async for out in engine.generate("a prompt of some words", params, "text")]

@@ -40,7 +40,7 @@ def same_beams(hf: list[list[int]], ours: list[list[int]]) -> bool:
 
 @pytest.fixture(scope="module")
 def llm(llama_ckpt):
-    return LLM(str(llama_ckpt), num_kv_blocks=256)
+    return LLM(str(llama_ckpt), dtype="float32", num_kv_blocks=256)
 
 
 @pytest.mark.parametrize("k, max_tokens, length_penalty, early_stopping", [
@@ -74,7 +74,7 @@ def test_matches_transformers_when_beams_end_early(llm, llama_ckpt, early_stoppi
 
 
 def test_prompt_is_computed_once_and_blocks_are_shared(llama_ckpt):
-    llm = LLM(str(llama_ckpt), num_kv_blocks=256, block_size=16, enable_prefix_caching=False)
+    llm = LLM(str(llama_ckpt), dtype="float32", num_kv_blocks=256, block_size=16, enable_prefix_caching=False)
     engine = llm.engine
     prompt = list(range(20, 120))  # 100 tokens: 7 blocks
     engine.add_request("beam", {"prompt_token_ids": prompt},
@@ -92,15 +92,15 @@ def test_prompt_is_computed_once_and_blocks_are_shared(llama_ckpt):
 def test_beam_search_under_preemption(llama_ckpt):
     params = SamplingParams(use_beam_search=True, beam_width=3, max_tokens=24)
     prompts = [{"prompt_token_ids": list(range(30 + i, 90 + i))} for i in range(3)]
-    tight = LLM(str(llama_ckpt), num_kv_blocks=16, block_size=16)
+    tight = LLM(str(llama_ckpt), dtype="float32", num_kv_blocks=16, block_size=16)
     outs = tight.generate(prompts, params)
     assert tight.stats()["num_preemptions"] > 0
-    roomy = LLM(str(llama_ckpt), num_kv_blocks=256, block_size=16).generate(prompts, params)
+    roomy = LLM(str(llama_ckpt), dtype="float32", num_kv_blocks=256, block_size=16).generate(prompts, params)
     assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in roomy]
 
 
 def test_an_aborted_beam_search_ends_every_beam_with_its_index(llama_ckpt):
-    llm = LLM(str(llama_ckpt), num_kv_blocks=256, block_size=16)
+    llm = LLM(str(llama_ckpt), dtype="float32", num_kv_blocks=256, block_size=16)
     engine = llm.engine
     engine.add_request("beam", {"prompt_token_ids": list(range(40, 70))},
                        SamplingParams(use_beam_search=True, beam_width=3, max_tokens=30, ignore_eos=True))
@@ -114,7 +114,7 @@ def test_an_aborted_beam_search_ends_every_beam_with_its_index(llama_ckpt):
 
 
 def test_beams_stop_at_the_model_length(llama_ckpt):
-    llm = LLM(str(llama_ckpt), num_kv_blocks=64, block_size=16, max_model_len=40)
+    llm = LLM(str(llama_ckpt), dtype="float32", num_kv_blocks=64, block_size=16, max_model_len=40)
     out = llm.generate({"prompt_token_ids": list(range(50, 80))},
                        SamplingParams(use_beam_search=True, beam_width=2, max_tokens=100, ignore_eos=True))[0]
     assert [len(c.token_ids) for c in out.outputs] == [10, 10]  # 30 prompt tokens + 10 = max_model_len

@@ -25,7 +25,7 @@ def prompt_of(n: int, seed: int = 0) -> list[int]:
 
 @pytest.fixture(scope="module")
 def short_llm(llama_ckpt: Path) -> LLM:
-    return LLM(str(llama_ckpt), max_model_len=MAX_LEN, block_size=16, num_kv_blocks=64)
+    return LLM(str(llama_ckpt), dtype="float32", max_model_len=MAX_LEN, block_size=16, num_kv_blocks=64)
 
 
 @pytest.mark.parametrize("prompt_len", [MAX_LEN - 9, MAX_LEN - 1])
@@ -73,7 +73,7 @@ def test_max_tokens_is_exact(short_llm: LLM) -> None:
 def test_blocks_filled_exactly(llama_ckpt: Path) -> None:
     """A prompt of exactly two blocks holds two blocks until its first generated token is computed,
     then three; the tokens across the boundary are transformers' tokens."""
-    llm = LLM(str(llama_ckpt), block_size=16, num_kv_blocks=64)
+    llm = LLM(str(llama_ckpt), dtype="float32", block_size=16, num_kv_blocks=64)
     engine = llm.engine
     prompt = prompt_of(32, seed=3)
     engine.add_request("exact", {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=20,
@@ -150,7 +150,7 @@ def test_preempted_request_is_served_before_later_arrivals_one_at_a_time() -> No
     [("first", 1), ("second", 1), ("third", 1)],
 ])
 def test_requests_are_served_by_priority_then_arrival(llama_ckpt: Path, arrivals: list[tuple[str, int]]) -> None:
-    llm = LLM(str(llama_ckpt), num_kv_blocks=64, max_num_seqs=1)
+    llm = LLM(str(llama_ckpt), dtype="float32", num_kv_blocks=64, max_num_seqs=1)
     engine = llm.engine
     for name, priority in arrivals:
         engine.add_request(name, {"prompt_token_ids": prompt_of(5)}, SamplingParams(max_tokens=2), priority=priority)

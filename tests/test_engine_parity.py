@@ -59,7 +59,7 @@ def test_parity_tiny_token_budget(llama_ckpt):
 
 def test_parity_with_repetition_penalty(llama_ckpt):
     prompts = parity_prompts(512, seed=3)[:4]
-    llm = LLM(str(llama_ckpt), num_kv_blocks=256)
+    llm = LLM(str(llama_ckpt), dtype="float32", num_kv_blocks=256)
     params = [SamplingParams(temperature=0.0, max_tokens=n, repetition_penalty=1.3) for n in MAX_TOKENS[:4]]
     got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert got == hf_greedy(llama_ckpt, tuple(map(tuple, prompts)), tuple(MAX_TOKENS[:4]), 1.3)
@@ -69,7 +69,7 @@ def test_text_prompts_match_transformers_tokenization(llama_ckpt):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(llama_ckpt))
-    llm = LLM(str(llama_ckpt), num_kv_blocks=64)
+    llm = LLM(str(llama_ckpt), dtype="float32", num_kv_blocks=64)
     text = "Continuous batching admits new requests"
     out = llm.generate(text, SamplingParams(temperature=0, max_tokens=12))[0]
     ids = tok(text).input_ids

@@ -42,7 +42,7 @@ def prompts(n: int) -> list[list[int]]:
 
 @pytest.fixture
 def llm(llama_ckpt: Path) -> LLM:
-    return LLM(str(llama_ckpt), block_size=16, num_kv_blocks=128, max_num_seqs=16)
+    return LLM(str(llama_ckpt), dtype="float32", block_size=16, num_kv_blocks=128, max_num_seqs=16)
 
 
 def run(llm: LLM, batch: list[list[int]], ids: list[str], params: list[SamplingParams]) -> dict[str, Any]:

@@ -26,7 +26,8 @@ DEVICES = [
 
 def _spied_llm(ckpt: Path, backend: str, device: str, **kwargs: object) -> tuple[LLM, dict[str, int]]:
     """An LLM whose backend counts which attention paths and block copies it served."""
-    llm = LLM(str(ckpt), attention_backend=backend, device=device, block_size=8, num_kv_blocks=64, seed=0, **kwargs)
+    llm = LLM(str(ckpt), dtype="float32", attention_backend=backend, device=device, block_size=8, num_kv_blocks=64,
+              seed=0, **kwargs)
     assert llm.stats()["attention_backend"] == backend
     be = llm.engine.runner.backend
     forward, copy_blocks = be.forward, be.copy_blocks

@@ -21,8 +21,8 @@ def shared_prefix_prompts(n: int, prefix_len: int = 200, seed: int = 0) -> list[
 
 def test_outputs_identical_with_and_without_prefix_caching(llama_ckpt):
     prompts = [{"prompt_token_ids": p} for p in shared_prefix_prompts(6)]
-    cached = LLM(str(llama_ckpt), enable_prefix_caching=True, num_kv_blocks=256)
-    plain = LLM(str(llama_ckpt), enable_prefix_caching=False, num_kv_blocks=256)
+    cached = LLM(str(llama_ckpt), dtype="float32", enable_prefix_caching=True, num_kv_blocks=256)
+    plain = LLM(str(llama_ckpt), dtype="float32", enable_prefix_caching=False, num_kv_blocks=256)
     # Run one request first so the others find its prefix cached.
     cached.generate(prompts[0], GREEDY)
     with_cache = [o.outputs[0].token_ids for o in cached.generate(prompts, GREEDY)]
@@ -36,8 +36,8 @@ def test_simultaneous_arrivals_compute_the_shared_prefix_once(llama_ckpt):
     """32 requests sharing a 200-token prefix submitted together: 31 hit the 12 full blocks the
     first one computes in the same batch, and every output equals the uncached engine's."""
     prompts = [{"prompt_token_ids": p} for p in shared_prefix_prompts(32, seed=3)]
-    cached = LLM(str(llama_ckpt), num_kv_blocks=512, block_size=16)
-    plain = LLM(str(llama_ckpt), enable_prefix_caching=False, num_kv_blocks=512, block_size=16)
+    cached = LLM(str(llama_ckpt), dtype="float32", num_kv_blocks=512, block_size=16)
+    plain = LLM(str(llama_ckpt), dtype="float32", enable_prefix_caching=False, num_kv_blocks=512, block_size=16)
     with_cache = cached.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in with_cache] == [o.outputs[0].token_ids for o in
                                                             plain.generate(prompts, GREEDY)]
@@ -49,7 +49,7 @@ def test_simultaneous_arrivals_compute_the_shared_prefix_once(llama_ckpt):
 
 def test_second_request_computes_only_its_suffix(llama_ckpt):
     first, second = shared_prefix_prompts(2, prefix_len=200, seed=1)
-    llm = LLM(str(llama_ckpt), num_kv_blocks=256, block_size=16)
+    llm = LLM(str(llama_ckpt), dtype="float32", num_kv_blocks=256, block_size=16)
     llm.generate({"prompt_token_ids": first}, GREEDY)  # finishes: its blocks are freed but stay cached
     assert llm.stats()["kv_blocks_used"] == 0
     before = llm.stats()["prompt_tokens_computed"]
@@ -65,7 +65,7 @@ def test_second_request_computes_only_its_suffix(llama_ckpt):
 
 def test_fully_cached_prompt_still_computes_its_last_token(llama_ckpt):
     prompt = {"prompt_token_ids": shared_prefix_prompts(1, prefix_len=64, seed=2)[0][:64]}
-    llm = LLM(str(llama_ckpt), num_kv_blocks=64, block_size=16)
+    llm = LLM(str(llama_ckpt), dtype="float32", num_kv_blocks=64, block_size=16)
     a = llm.generate(prompt, GREEDY)[0]
     b = llm.generate(prompt, GREEDY)[0]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -96,7 +96,7 @@ def test_eviction_is_lru_with_exact_block_ids():
 
 
 def test_parallel_samples_share_prompt_blocks(llama_ckpt):
-    llm = LLM(str(llama_ckpt), num_kv_blocks=256, block_size=16)
+    llm = LLM(str(llama_ckpt), dtype="float32", num_kv_blocks=256, block_size=16)
     engine = llm.engine
     prompt = {"prompt_token_ids": shared_prefix_prompts(1, prefix_len=100, seed=3)[0][:100]}  # 6.25 blocks
     engine.add_request("n4", prompt, SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=20, ignore_eos=True))
@@ -111,7 +111,7 @@ def test_parallel_samples_share_prompt_blocks(llama_ckpt):
 
 
 def test_parallel_samples_equal_single_seeded_requests(llama_ckpt):
-    llm = LLM(str(llama_ckpt), num_kv_blocks=256)
+    llm = LLM(str(llama_ckpt), dtype="float32", num_kv_blocks=256)
     params = SamplingParams(n=3, temperature=1.0, top_p=0.95, seed=17, max_tokens=15)
     group = llm.generate("Tokens flow back over pub/sub", params)[0]
     again = llm.generate("Tokens flow back over pub/sub", params)[0]
@@ -126,11 +126,11 @@ def test_parallel_samples_equal_single_seeded_requests(llama_ckpt):
 def test_parallel_samples_consistent_under_preemption(llama_ckpt, num_kv_blocks):
     """Several multi-sample requests in a tight cache: samples are preempted and recomputed,
     and every sample still equals its unconstrained result."""
-    llm = LLM(str(llama_ckpt), num_kv_blocks=num_kv_blocks, block_size=16)
+    llm = LLM(str(llama_ckpt), dtype="float32", num_kv_blocks=num_kv_blocks, block_size=16)
     params = SamplingParams(n=3, temperature=1.0, seed=23, max_tokens=40, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in shared_prefix_prompts(3, prefix_len=40, seed=4)]
     outs = llm.generate(prompts, params)
-    reference = LLM(str(llama_ckpt), num_kv_blocks=256, block_size=16).generate(prompts, params)
+    reference = LLM(str(llama_ckpt), dtype="float32", num_kv_blocks=256, block_size=16).generate(prompts, params)
     assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in reference]
     if num_kv_blocks == 14:
         assert llm.stats()["num_preemptions"] > 0

@@ -25,7 +25,8 @@ def _mlp_rows(engine: LLMEngine, layer: int) -> list[int]:
 def test_the_last_layer_computes_only_the_sampled_rows(llama_ckpt: Path) -> None:
     # 16-token chunks: the long prompt's first chunks sample nothing, its last one and the short
     # prompt one row each; then two decode steps of two rows.
-    engine = LLMEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16))
+    engine = LLMEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", num_kv_blocks=64,
+                                    max_num_batched_tokens=16))
     first, last = _mlp_rows(engine, 0), _mlp_rows(engine, -1)
     engine.add_request("long", {"prompt_token_ids": [3 + i % 50 for i in range(40)]}, GREEDY)
     engine.add_request("short", {"prompt_token_ids": [7, 8, 9, 10, 11]}, GREEDY)
@@ -44,7 +45,8 @@ def test_the_sampled_rows_equal_the_whole_layers(llama_ckpt: Path) -> None:
     """On every step with rows left out, the logits of the sampled rows against the model run over
     all rows (which writes the same K/V again). The GEMMs' blocking differs with the number of
     rows, so equal to float32 summation order (~1e-6 relative), not bit for bit."""
-    engine = LLMEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=24))
+    engine = LLMEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", num_kv_blocks=64,
+                                    max_num_batched_tokens=24))
     runner = engine.runner
     run, compared = runner.run, []  # (rows, relative error) of each step compared
 

@@ -24,7 +24,7 @@ ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def llm(llama_ckpt: Path) -> LLM:
-    return LLM(str(llama_ckpt), num_kv_blocks=64, seed=0)
+    return LLM(str(llama_ckpt), dtype="float32", num_kv_blocks=64, seed=0)
 
 
 @cache

@@ -48,7 +48,7 @@ def reference(llama_ckpt: Path) -> list[list[int]]:
 
 
 def test_blocks_reused_elsewhere_give_transformers_tokens_one_by_one(llama_ckpt: Path, reference) -> None:
-    llm = LLM(str(llama_ckpt), block_size=BS, num_kv_blocks=128, enable_prefix_caching=True)
+    llm = LLM(str(llama_ckpt), dtype="float32", block_size=BS, num_kv_blocks=128, enable_prefix_caching=True)
     hits = 0
     for (name, prompt, cached), want in zip(CASES, reference):
         out = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0]
@@ -62,7 +62,7 @@ def test_blocks_reused_elsewhere_give_transformers_tokens_one_by_one(llama_ckpt:
 
 def test_blocks_reused_elsewhere_in_one_batch(llama_ckpt: Path, reference) -> None:
     """The same prompts all at once, once the first prompt's blocks are cached."""
-    llm = LLM(str(llama_ckpt), block_size=BS, num_kv_blocks=128, enable_prefix_caching=True)
+    llm = LLM(str(llama_ckpt), dtype="float32", block_size=BS, num_kv_blocks=128, enable_prefix_caching=True)
     llm.generate({"prompt_token_ids": CASES[0][1]}, GREEDY)
     outs = llm.generate([{"prompt_token_ids": p} for _, p, _ in CASES], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference

@@ -20,7 +20,8 @@ from workers.gateway.server import running_gateway
 
 
 def test_engine_reports_prompt_progress_chunk_by_chunk(llama_ckpt: Path) -> None:
-    engine = LLMEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16))
+    engine = LLMEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", num_kv_blocks=64,
+                                    max_num_batched_tokens=16))
     engine.add_request("long", {"prompt_token_ids": list(range(3, 103))}, SamplingParams(max_tokens=2))
     first = engine.prompt_progress()["long"]
     assert (first.computed_tokens, first.prompt_tokens, first.scheduled) == (0, 100, False)

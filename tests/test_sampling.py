@@ -11,7 +11,7 @@ from streamer.errors import QueueFullError as QFE
 
 @pytest.fixture(scope="module")
 def llm(llama_ckpt):
-    return LLM(str(llama_ckpt), num_kv_blocks=128, seed=0)
+    return LLM(str(llama_ckpt), dtype="float32", num_kv_blocks=128, seed=0)
 
 
 def ids(outs):
@@ -145,7 +145,7 @@ def test_bad_prompts_are_rejected_without_side_effects(llm):
 
 
 def test_waiting_queue_is_bounded(llama_ckpt):
-    llm = LLM(str(llama_ckpt), num_kv_blocks=32, max_waiting_requests=2)
+    llm = LLM(str(llama_ckpt), dtype="float32", num_kv_blocks=32, max_waiting_requests=2)
     engine = llm.engine
     engine.add_request("a", "x", SamplingParams(max_tokens=2))
     engine.add_request("b", "x", SamplingParams(max_tokens=2))

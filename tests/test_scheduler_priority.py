@@ -149,7 +149,7 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 def test_engine_serves_the_urgent_request_first_and_both_match_transformers(llama_ckpt: Path) -> None:
-    engine = LLM(str(llama_ckpt), num_kv_blocks=64, max_num_seqs=1).engine
+    engine = LLM(str(llama_ckpt), dtype="float32", num_kv_blocks=64, max_num_seqs=1).engine
     prompts = {"background": list(range(30, 60)), "urgent": list(range(100, 110))}
     lengths = {"background": 16, "urgent": 5}
     tokens: dict[str, list[int]] = {name: [] for name in prompts}

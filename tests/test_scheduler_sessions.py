@@ -158,7 +158,7 @@ def test_a_preempted_call_of_a_heavy_session_goes_back_first() -> None:
 
 
 def llama(ckpt: Path) -> LLM:
-    return LLM(str(ckpt), num_kv_blocks=64, max_num_seqs=1)
+    return LLM(str(ckpt), dtype="float32", num_kv_blocks=64, max_num_seqs=1)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

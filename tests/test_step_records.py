@@ -9,7 +9,8 @@ from streamer import EngineConfig, LLMEngine, SamplingParams
 
 
 def test_each_step_is_recorded_once_with_its_tokens_and_times(llama_ckpt: Path) -> None:
-    engine = LLMEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16))
+    engine = LLMEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", num_kv_blocks=64,
+                                    max_num_batched_tokens=16))
     engine.add_request("a", {"prompt_token_ids": list(range(3, 43))}, SamplingParams(max_tokens=3, ignore_eos=True))
     outputs = []
     while engine.has_unfinished_requests():

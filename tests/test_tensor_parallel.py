@@ -155,7 +155,7 @@ async def test_killed_rank_ends_the_engine_with_an_error_and_no_process_left(lla
 def test_the_rank_that_died_is_blamed_not_its_peers(llama_ckpt):
     """At TP=4 a dead rank's peers fail too ("connection reset by peer"): the error names the
     rank that died."""
-    llm = LLM(str(llama_ckpt), tensor_parallel_size=4, num_kv_blocks=64)
+    llm = LLM(str(llama_ckpt), dtype="float32", tensor_parallel_size=4, num_kv_blocks=64)
     engine = llm.engine
     try:
         pids = engine.runner.pids
@@ -180,7 +180,7 @@ def test_engine_process_killed_takes_its_ranks_along(llama_ckpt, tmp_path):
     script.write_text(
         "import json, sys, time\n"
         "from streamer import LLM\n"
-        f"llm = LLM({str(llama_ckpt)!r}, tensor_parallel_size=2, num_kv_blocks=32)\n"
+        f"llm = LLM({str(llama_ckpt)!r}, tensor_parallel_size=2, num_kv_blocks=32, dtype='float32')\n"
         "print(json.dumps(llm.engine.runner.pids), flush=True)\n"
         "time.sleep(120)\n")
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
@@ -214,13 +214,13 @@ def test_rank_that_raises_reports_its_traceback():
 
 def test_model_that_does_not_split_is_refused_before_any_process_starts(llama_ckpt):
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not split this model"):
-        LLM(str(llama_ckpt), tensor_parallel_size=3, num_kv_blocks=16)
+        LLM(str(llama_ckpt), dtype="float32", tensor_parallel_size=3, num_kv_blocks=16)
     assert child_processes() == []
 
 
 def test_step_after_failure_raises_at_once(llama_ckpt):
     """A rank that dies while the engine is idle: the next step fails fast, naming the rank."""
-    llm = LLM(str(llama_ckpt), tensor_parallel_size=2, num_kv_blocks=32)
+    llm = LLM(str(llama_ckpt), dtype="float32", tensor_parallel_size=2, num_kv_blocks=32)
     try:
         pid = llm.engine.runner.pids[0]
         os.kill(pid, signal.SIGTERM)
