@@ -116,7 +116,7 @@ def test_a_jobs_prompt_is_charged_in_estimated_tokens() -> None:
         == (4 + 12 + 8 + 20) // 4
     assert charge({"messages": [{"role": "u", "content": ""}], "params": {"max_tokens": 0}}) == 1
     # No max_tokens: the default; null: up to the longest prompt the workers take (at least the default).
-    assert charge({"prompt_token_ids": [1], "params": {}}) == 1 + DEFAULT_MAX_TOKENS
+    assert charge({"prompt_token_ids": [1], "params": {}}, prompt_limit=100_001) == 1 + DEFAULT_MAX_TOKENS
     assert charge({"prompt_token_ids": [1], "params": {"max_tokens": None}}, prompt_limit=100_001) == 100_001
 
 
