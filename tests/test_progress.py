@@ -153,8 +153,10 @@ async def test_generate_shows_where_its_prompt_waits_on_a_terminal(tmp_path: Pat
     engine = {"max_num_seqs": 1, "max_num_batched_tokens": 16, "num_kv_blocks": 1100}
     r = aioredis.Redis.from_url(redis_url)
     async with running_worker(ckpt, redis_url, engine=engine, progress_every_s=0.05):
+        # Busy for seconds (its prompt, then 1,000 tokens) whatever the machine: the CLI's start (~1 s
+        # of imports) must find it still running, on a quiet fast machine too.
         await r.xadd(NAMES.requests, encode_job({"id": "busy", "prompt_token_ids": [3 + i % 400 for i in range(8000)],
-                                                 "params": {"max_tokens": 1}}))
+                                                 "params": {"max_tokens": 1000, "ignore_eos": True}}))
         await asyncio.sleep(0.3)  # the worker has it
         # ~9,600 prompt tokens in 16-token chunks: 600 steps (0.5 s with the compiled kernels on a fast
         # machine, which a 1 s refresh missed in a fresh-clone CI), the display refreshed every 50 ms.
