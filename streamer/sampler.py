@@ -45,7 +45,9 @@ class Sampler:
             apply_masks(raw, constrained, [seqs[i].grammar for i in constrained])  # type: ignore[misc]
         # Copied only for rows to penalise: `raw` also gives the logprobs, unpenalised (the copy of
         # 32 x 32k floats, 0.25 ms, was a third of a greedy step's sampling).
-        penalised = apply_penalties(raw.clone(), seqs, self.eos_token_ids) if any(map(penalised_row, seqs)) else raw
+        penalised = raw
+        if any(map(penalised_row, seqs)):
+            penalised = apply_penalties(raw.clone(memory_format=torch.contiguous_format), seqs, self.eos_token_ids)
         greedy = [s.params.greedy for s in seqs]
         if all(greedy):
             tokens = argmax(penalised)
@@ -61,7 +63,8 @@ class Sampler:
         """The distribution each row's next token is drawn from (`[N, V]`, rows sum to 1): what
         `__call__` samples from for non-greedy rows, from the same candidate groups. Exposed so
         tests can hold it against an independent reference."""
-        penalised = apply_penalties(logits.float().clone(), seqs, self.eos_token_ids)
+        penalised = apply_penalties(logits.float().clone(memory_format=torch.contiguous_format), seqs,
+                                    self.eos_token_ids)
         probs = torch.empty_like(penalised)
         for group in candidates(penalised, _rules(seqs, penalised), self.nucleus_candidates):
             probs[group.rows] = group.dense(penalised.shape[1])
