@@ -1,8 +1,9 @@
-"""Fault runs: N concurrent OpenAI-API streams through the real system while the gateway is SIGKILLed or
-Redis restarts, each stream resumed or retried with the same id as the documented client does.
+"""Fault runs: N concurrent OpenAI-API streams through the real system while the gateway is SIGKILLed,
+Redis restarts or a worker is SIGKILLed, each stream resumed or retried with the same id as the
+documented client does.
 
-    python bench/faults.py [--streams 600] [--fault gateway-kill|redis-restart] [--fault-at 10]
-                           [--redis-down 5] [--max-tokens 32] [--json PATH]
+    python bench/faults.py [--streams 600] [--fault gateway-kill|redis-restart|worker-kill] [--fault-at 10]
+                           [--redis-down 5] [--max-tokens 32] [--workers 1] [--claim-idle 5] [--json PATH]
     streamer bench faults ...                                   (the same, through the CLI)
 
 The system is soak.py's: a private redis-server with AOF, `--workers` `streamer worker` processes on a
@@ -17,7 +18,9 @@ First each prompt is streamed once, alone and with no fault (`same_as_solo_run` 
 whose answer equals it: greedy decoding of the tiny random model is not batch-invariant, so this is
 information, not a failure). Then the streams
 start together and `--fault-at` seconds later the fault happens: the gateway is SIGKILLed and started
-again on its port, or Redis is stopped for `--redis-down` seconds and started again on its AOF.
+again on its port, or Redis is stopped for `--redis-down` seconds and started again on its AOF, or
+worker 0 is SIGKILLed and started again (its jobs are taken over after `--claim-idle` seconds, by
+another worker or by the restarted one, from their last event: the streams stay open through it).
 
 Counted per stream: finished (`[DONE]` after a finishing chunk), identical (its text equals what an
 uninterrupted reader of its events stream in Redis reads: no gap, no repeat), duplicated (an SSE id
@@ -178,6 +181,8 @@ async def fault_run(args: argparse.Namespace, system: Any, prompts: list[list[in
                                  "streams_unfinished": in_flight}
         if args.fault == "gateway-kill":
             fault.update(await asyncio.to_thread(_kill_gateway, system))
+        elif args.fault == "worker-kill":
+            fault.update(await asyncio.to_thread(system.kill_worker, 0))
         else:
             fault.update(await asyncio.to_thread(_restart_redis, system, args.redis_down))
         await asyncio.gather(*tasks)
@@ -238,12 +243,14 @@ def _restart_redis(system: Any, down_s: float) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, default=600)
-    ap.add_argument("--fault", choices=("gateway-kill", "redis-restart"), default="gateway-kill")
+    ap.add_argument("--fault", choices=("gateway-kill", "redis-restart", "worker-kill"), default="gateway-kill")
     ap.add_argument("--fault-at", type=float, default=10.0, help="seconds after the streams start")
     ap.add_argument("--redis-down", type=float, default=5.0, help="seconds Redis stays stopped")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prompts", type=int, default=16, help="distinct prompts (8-48 random tokens each)")
     ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--claim-idle", type=float, default=5.0,
+                    help="workers' --claim-idle: seconds before a killed worker's jobs are taken over")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="per worker")
     ap.add_argument("--worker-threads", type=int, default=1, help="OMP_NUM_THREADS of each worker")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds every stream gets to finish")
@@ -259,7 +266,7 @@ def main() -> int:
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(8, vocab) for _ in range(rng.randint(8, 48))] for _ in range(args.prompts)]
     # What soak.System reads of its arguments.
-    args.gateways, args.claim_idle, args.events_ttl = 1, 30.0, 600.0
+    args.gateways, args.events_ttl = 1, 600.0
     args.kv_blocks = args.max_num_seqs * ((48 + args.max_tokens + 15) // 16 + 1)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="streamer-faults-"))
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -215,7 +215,10 @@ class Router:
         return Route(self.names.worker_requests(decision.worker), None, decision.outcome, decision.worker)
 
     async def _views(self, chain: list[Segment], session: str | None) -> tuple[list[WorkerView], str | None]:
-        workers = sorted(self._capacity)
+        # This request's own view of the seats: a concurrent request's refresh may replace the dict
+        # while this one waits on Redis (a worker that just died is then gone from the new one).
+        capacity = self._capacity
+        workers = sorted(capacity)
         digests = [s.digest for s in chain]
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hmget(self.names.loads, workers)
@@ -227,7 +230,7 @@ class Router:
             shared_jobs, owner, *rest = await pipe.execute(raise_on_error=False)
         routed, held = rest[:len(workers)], rest[len(workers):] if digests else [[] for _ in workers]
         shared = shared_jobs if isinstance(shared_jobs, list) else [None] * len(workers)
-        views = [WorkerView(name, (_count(s) + _count(r)) / self._capacity[name],
+        views = [WorkerView(name, (_count(s) + _count(r)) / capacity[name],
                             matched_tokens(chain, h) if isinstance(h, list) else 0)
                  for name, s, r, h in zip(workers, shared, routed, held, strict=True)]
         return views, _text(owner) if session else None

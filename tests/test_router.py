@@ -200,3 +200,22 @@ def test_cache_load_at_its_edges() -> None:
 def test_a_match_is_read_over_the_shorter_of_chain_and_reply() -> None:
     assert matched_tokens(CHAIN[:2], [1, 1, 1]) == CHAIN[1].tokens
     assert matched_tokens(CHAIN, [1, 1]) == CHAIN[1].tokens
+
+
+@pytest.mark.anyio
+async def test_a_refresh_while_a_route_waits_on_redis_does_not_break_it(r: aioredis.Redis) -> None:
+    """Concurrent requests share one router: one's refresh may drop a worker that just died while
+    another waits for its pipeline (seen live: HTTP 500 KeyError under 600 streams with a worker
+    SIGKILLed). The waiting one finishes on the seats it read."""
+    import asyncio
+
+    await worker(r, "w1", holds=4)
+    await worker(r, "w2")
+    router = Router(r, NAMES, "cache_load", refresh_s=3600.0)
+    await router._refresh()
+
+    async def worker_dies() -> None:
+        router._capacity = {"w2": SEATS}  # what a refresh reads once w1's heartbeat is gone
+
+    views, _ = (await asyncio.gather(router._views(CHAIN, None), worker_dies()))[0]
+    assert [v.name for v in views] == ["w1", "w2"]
