@@ -33,6 +33,7 @@ sys.path[0] = str(ROOT)  # bench/kernels.py must not shadow the `kernels` packag
 import redis  # noqa: E402
 
 from bench.burst import _env, http_ok, wait_for  # noqa: E402
+from bench.routing import stop_workers  # noqa: E402
 from clients.heartbeats import live_workers  # noqa: E402
 from clients.protocol import Names  # noqa: E402
 from workers.redis_server import RedisServer, free_port  # noqa: E402
@@ -120,13 +121,7 @@ def start_vllm(args: argparse.Namespace, port: int, work: Path) -> list[subproce
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
-    for p in reversed(procs):
-        p.terminate()
-    for p in procs:
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
+    stop_workers(list(reversed(procs)))  # the gateway before the worker it relays
 
 
 def measure(args: argparse.Namespace, base_url: str, model: str, servers: dict[str, int]) -> dict[str, dict]:
