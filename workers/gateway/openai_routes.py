@@ -28,7 +28,7 @@ from workers.gateway.admission import check_job
 from workers.gateway.openai_jobs import Gateway, JobStream
 from workers.gateway.openai_request import OpenAIError, OpenAIRequest, bad, parse_chat, parse_completion
 from workers.gateway.openai_response import Assembler, StreamMeta
-from workers.gateway.openai_stream import Position, sse_events
+from workers.gateway.openai_stream import Position, sse_events, wants_resumable
 from workers.gateway.routes import key_ok, request_token
 from workers.gateway.submit import submit_jobs
 from workers.gateway.tenants import RateLimited, job_id, may_access, tag
@@ -148,7 +148,8 @@ class OpenAIRoutes:
         except RateLimited as e:
             raise rate_limit_error(e) from e
         if req.stream:
-            return self._sse(request, meta, stream, Position.start(), fresh=True, resumable=_wants_resumable(request))
+            resumable = wants_resumable(request.headers)
+            return self._sse(request, meta, stream, Position.start(), fresh=True, resumable=resumable)
         return await self._whole(request, meta, stream)
 
     async def _json_body(self, request: Request) -> Any:
@@ -304,12 +305,6 @@ class OpenAIRoutes:
             stream.close(cancel=True)
             raise
         return self._sse(request, meta, stream, position, fresh=False, resumable=True)
-
-
-def _wants_resumable(request: Request) -> bool:
-    """A stream with `id:` lines only for a client that asks: OpenAI's own has none, and readers
-    that take every message for `data:` fail on them."""
-    return request.headers.get("x-resumable-stream", "").strip().lower() in ("1", "true", "yes")
 
 
 def _session(request: Request, req: OpenAIRequest) -> str | None:

@@ -15,7 +15,7 @@ end). The last chunk of event `seq` has the SSE id `<request id>:<seq>`; the one
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,12 @@ class Position:
         if position.seq < -1 or position.chunk < 0:
             raise bad(f"not a stream position: {text[:40]!r}", "after")
         return position
+
+
+def wants_resumable(headers: Mapping[str, str]) -> bool:
+    """A stream with `id:` lines only for a client that asks: OpenAI's own has none, and readers
+    that take every message for `data:` fail on them."""
+    return headers.get("x-resumable-stream", "").strip().lower() in ("1", "true", "yes")
 
 
 def _frame(request_id: str | None, seq: int, k: int, count: int, chunk: dict[str, Any]) -> str:
