@@ -188,10 +188,7 @@ class Scheduler:
         """Whether the next-token masks of a constrained sequence, and of the samples to be forked from it
         (they draw from its row when its prompt is done), are filled (grammar_masks.py: masks are filled
         off the step; a sequence whose mask is late waits instead of holding the step up)."""
-        if seq.grammar is not None and not seq.grammar.ready:
-            return False
-        forks = self._forks.get(seq.seq_id)
-        return not forks or all(s.grammar is None or s.grammar.ready for s in forks)
+        return all(s.grammar is None or s.grammar.ready for s in (seq, *self._forks.get(seq.seq_id, ())))
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """The waiting head is more urgent than some running sequences and finds no seat or no
