@@ -575,6 +575,10 @@ async def test_slow_reader_is_closed_while_a_fast_one_finishes(redis_url: str) -
         stalled.send({"type": "resume", "id": "slow"})
         await send(fast, {"type": "generate", "id": "fast", "prompt": "x"})
         await recv(fast)
+        # Events come after the job exists, as from a worker that read it (the push refuses an id that
+        # already has events: written earlier, they made the gateway answer duplicate_id).
+        while not await r.exists(NAMES.job("fast")):
+            await asyncio.sleep(0.01)
         for s in range(20):
             await emit(r, "fast", tokens("fast", range(s, s + 1)))
             await asyncio.sleep(0.005)
