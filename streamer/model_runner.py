@@ -15,7 +15,7 @@ from streamer.config import EngineConfig
 from streamer.layers.cpu_gemm import pack_model
 from streamer.model_config import ModelConfig
 from streamer.model_loader import load_weights
-from streamer.models.llama import LlamaForCausalLM
+from streamer.models.registry import model_class
 from streamer.outputs import StepPhases
 from streamer.parallel_state import SINGLE, TPGroup, building_with
 from streamer.request import Sequence
@@ -43,8 +43,8 @@ class ModelRunner:
         torch.set_default_dtype(model_config.dtype)
         try:
             with torch.device(device), building_with(tp_group):
-                self.model = LlamaForCausalLM(model_config.hf_config, self.backend,
-                                              model_config.max_model_len, device)
+                self.model = model_class(model_config.hf_config)(model_config.hf_config, self.backend,
+                                                                 model_config.max_model_len, device)
         finally:
             torch.set_default_dtype(torch.float32)
         load_weights(self.model, model_config.path)

@@ -15,19 +15,9 @@ from streamer.attention.backend import AttentionBackend, AttentionMetadata, Rows
 from streamer.layers.attention import PagedAttention
 from streamer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from streamer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from streamer.layers.norm import RMSNorm
 from streamer.layers.rotary import build_cos_sin_cache
 from streamer.parallel_state import get_tp_size
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, backend: AttentionBackend) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.eps = eps
-        self.backend = backend
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
-        return self.backend.rms_norm(x, self.weight, self.eps, residual)
 
 
 class LlamaAttention(nn.Module):
@@ -49,8 +39,13 @@ class LlamaAttention(nn.Module):
                 cos_sin_cache: torch.Tensor, rows: Rows | None = None) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.before_rotary(q, k)
         q, k = self.backend.rotary(positions, q, k, cos_sin_cache, self.head_size)
         return self.o_proj(self.attn(q, k, v, meta, rows))
+
+    def before_rotary(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a family does to q and k between the projection and rotary (Llama: nothing)."""
+        return q, k
 
 
 # A long float32 prefill step's MLP runs on the CPU in slices of this many rows: at 2,048 rows
@@ -84,9 +79,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
     def __init__(self, cfg: Any, backend: AttentionBackend, qkv_bias: bool) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend, qkv_bias)
+        self.self_attn = self.attention_cls(cfg, backend, qkv_bias)
         self.mlp = LlamaMLP(cfg, backend)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
@@ -108,6 +105,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
     # checkpoint name fragment -> (our parameter fragment, shard id)
     stacked_params = {
         ".q_proj.": (".qkv_proj.", "q"),
@@ -121,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         qkv_bias = cfg.model_type == "qwen2" or getattr(cfg, "attention_bias", False)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, qkv_bias)
+        self.layers = nn.ModuleList(self.layer_cls(cfg, backend, qkv_bias)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
