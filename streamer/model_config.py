@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from streamer_kernels.cpu_features import fast_bfloat16
 
-from streamer.architectures import SUPPORTED_ARCHITECTURES
+from streamer.architectures import SUPPORTED_ARCHITECTURES, unsupported_message
 from streamer.errors import ConfigError
 from streamer.hf_config import load_hf_config
 
@@ -39,9 +39,7 @@ class ModelConfig:
         hf = load_hf_config(root)
         archs = getattr(hf, "architectures", None) or []
         if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise UnsupportedModelError(
-                f"unsupported architecture {archs or hf.model_type!r}; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+            raise UnsupportedModelError(unsupported_message(", ".join(archs) or repr(hf.model_type)))
         limit = int(hf.max_position_embeddings)
         window = getattr(hf, "sliding_window", None)
         if window and getattr(hf, "use_sliding_window", True):

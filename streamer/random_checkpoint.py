@@ -25,7 +25,8 @@ def main():\n    return [x * 2 for x in range(10)]\n"""
 
 @dataclass
 class TinyModelSpec:
-    """Shape of a random checkpoint. `arch` is "llama", "qwen2" or "mistral"."""
+    """Shape of a random checkpoint. `arch` is a transformers model_type ("llama", "qwen2", "mistral",
+    "qwen3", ...); `extra` holds that family's own config fields."""
 
     arch: str = "llama"
     hidden_size: int = 64
@@ -95,19 +96,11 @@ def build_checkpoint(path: str | Path, spec: TinyModelSpec | None = None, seed: 
         eos_token_id=tokenizer.eos_token_id,
         **spec.extra,
     )
-    config_cls = {
-        "llama": transformers.LlamaConfig,
-        "qwen2": transformers.Qwen2Config,
-        "mistral": transformers.MistralConfig,
-    }[spec.arch]
-    model_cls = {
-        "llama": transformers.LlamaForCausalLM,
-        "qwen2": transformers.Qwen2ForCausalLM,
-        "mistral": transformers.MistralForCausalLM,
-    }[spec.arch]
-    config = config_cls(**common)
+    # Any family transformers knows, by its model_type ("llama", "qwen3", "gemma2", ...): its own
+    # config class fills the family's defaults, and its own model class writes the weights.
+    config = transformers.AutoConfig.for_model(spec.arch, **common)
     torch.manual_seed(seed)
-    model = model_cls(config)
+    model = transformers.AutoModelForCausalLM.from_config(config)
     # Larger-than-default init spreads the logits, so greedy argmax ties are vanishingly rare
     # and parity with transformers is a meaningful test rather than a coin toss on ties.
     with torch.no_grad():

@@ -198,14 +198,12 @@ def check_model_dir(path: Path) -> Path:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
         raise ModelNotFound(f"cannot read {config_file} ({exc}): {use}") from exc
-    from streamer.architectures import SUPPORTED_ARCHITECTURES  # the engine's own list, without torch
+    from streamer.architectures import SUPPORTED_ARCHITECTURES, unsupported_message  # without torch
 
     archs = config.get("architectures") or []
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         found = ", ".join(archs) or repr(config.get("model_type"))
-        raise UnsupportedModel(
-            f"{path}: architecture {found} is not supported; use a Llama (2/3), Mistral or Qwen2 "
-            f"checkpoint (config.json architectures: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        raise UnsupportedModel(f"{path}: {unsupported_message(found)}")
     if not any(path.glob("*.safetensors")):
         raise ModelNotFound(f"{path} has no *.safetensors weights (other formats are not read): {use}")
     return path

@@ -1,0 +1,72 @@
+"""Each model family of tests/families.py against transformers' greedy generate, token for token
+(float32), on the engine's paths: mixed prefill/decode steps with chunked prompts, the pure-torch
+reference backend under preemption, the Triton kernels under the interpreter, tensor parallelism;
+bfloat16's drift from float32 as test_engine_parity measures it."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from families import FAMILIES
+from kernel_testing import INTERPRET
+
+from streamer import LLM, SamplingParams
+from streamer.random_checkpoint import build_checkpoint
+from tests.parity import MAX_TOKENS, hf_greedy, parity_prompts
+from tests.test_engine_parity import reference, run_engine
+from tests.test_tensor_parallel import MAX_TOKENS as TP_MAX_TOKENS
+from tests.test_tensor_parallel import PROMPT_LENGTHS, two_rounds
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp(request.param), FAMILIES[request.param], seed=3)
+
+
+def test_greedy_parity_mixed_chunked_batches(ckpt: Path) -> None:
+    prompts = parity_prompts(512)
+    got, stats = run_engine(ckpt, prompts, block_size=16, max_num_batched_tokens=160, num_kv_blocks=512)
+    assert got == reference(ckpt, prompts)
+    assert stats["num_mixed_steps"] > 0 and stats["num_partial_prefills"] > 0
+
+
+def test_reference_backend_under_preemption(ckpt: Path) -> None:
+    prompts = parity_prompts(512)
+    got, stats = run_engine(ckpt, prompts, attention_backend="torch", block_size=8, num_kv_blocks=96,
+                            max_num_batched_tokens=512)
+    assert stats["num_preemptions"] > 0
+    assert got == reference(ckpt, prompts)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU Triton needs TRITON_INTERPRET=1")
+def test_triton_kernels_under_the_interpreter(ckpt: Path) -> None:
+    prompts = parity_prompts(512, seed=4)[:4]  # 1, 3, 17 and 40 tokens: decode, prefill, extend
+    llm = LLM(str(ckpt), dtype="float32", attention_backend="triton", device="cpu", block_size=8,
+              num_kv_blocks=64, max_num_batched_tokens=16)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0, max_tokens=n) for n in MAX_TOKENS[:4]])
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(ckpt, tuple(map(tuple, prompts)),
+                                                               tuple(MAX_TOKENS[:4]))
+
+
+def test_tensor_parallel_matches_one_device_and_transformers(ckpt: Path) -> None:
+    rng = random.Random(7)
+    prompts = [[rng.randrange(8, 512) for _ in range(n)] for n in PROMPT_LENGTHS]
+    kwargs = dict(num_kv_blocks=12, max_num_batched_tokens=128)
+    got, second, stats, cached = two_rounds(ckpt, 2, prompts, **kwargs)
+    one, _, _, _ = two_rounds(ckpt, 1, prompts, **kwargs)
+    assert got == one
+    assert stats["num_preemptions"] > 0 and cached > 0
+    budgets = TP_MAX_TOKENS + [6] * len(second)
+    assert [s[0] for s in got] == hf_greedy(ckpt, tuple(map(tuple, prompts + second)), tuple(budgets))
+
+
+def test_bfloat16_first_tokens_mostly_agree_with_float32(ckpt: Path) -> None:
+    prompts = parity_prompts(512, seed=11)
+    ref, _ = run_engine(ckpt, prompts, num_kv_blocks=256)
+    llm = LLM(str(ckpt), dtype="bfloat16", num_kv_blocks=256)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=4))
+    agree = sum(o.outputs[0].token_ids[0] == r[0] for o, r in zip(outs, ref))
+    assert agree >= 6, agree
