@@ -30,6 +30,10 @@ from clients.routing import Route, Router
 
 log = logging.getLogger("streamer.client")
 
+# How NoWorker's message ends: stream() leaves the job queued, generate() withdraws it.
+STAYS_QUEUED = "the job stays queued: cancel it, or pass wait_for_worker=True to wait for a worker"
+WITHDRAWN = "the job was withdrawn; pass wait_for_worker=True to wait for a worker instead"
+
 # How long the keys a client sets live: the id's owner until a worker's first write renews it, and a
 # cancel marker.
 KEY_TTL_MS = 3_600_000
@@ -222,7 +226,8 @@ class AsyncClient:
         """The request's events with seq > after_seq, in order, until `done` or `error`.
         `timeout`: longest wait for the next event (TimeoutError), None for no limit.
         While nothing arrives, the heartbeat set is checked every second: with no worker alive for two
-        checks in a row, NoWorker is raised (the job stays queued) unless `wait_for_worker`."""
+        checks in a row, NoWorker is raised (the job stays queued: cancel it, or read it again once a
+        worker runs) unless `wait_for_worker`."""
         key = self.names.events(request_id)
         last = after_seq
         backoff = Backoff(f"stream {request_id}", log)
@@ -240,7 +245,7 @@ class AsyncClient:
                 continue
             if not reply:
                 if no_worker >= 2:
-                    raise NoWorker(request_id, self.no_worker_message())
+                    raise NoWorker(request_id, self.no_worker_message(STAYS_QUEUED))
                 if timeout is not None and time.monotonic() - waited_since > timeout:
                     raise TimeoutError(f"no event for request {request_id} in {timeout}s")
                 continue
@@ -254,10 +259,11 @@ class AsyncClient:
                     if event["type"] in ("done", "error"):
                         return
 
-    def no_worker_message(self) -> str:
+    def no_worker_message(self, then: str) -> str:
+        """What NoWorker says, ending with `then`: what became of the job and how to wait instead."""
         where = redact_url(self.url)
         return (f"no worker is serving {self.names.requests} on {where}: start one with `streamer worker "
-                f"--redis {where}` or use `streamer up` (the job stays queued; wait_for_worker=True waits for one)")
+                f"--redis {where}` or use `streamer up` ({then})")
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = 300.0,
                        wait_for_worker: bool = False, **kwargs: Any) -> Generation:
@@ -268,9 +274,9 @@ class AsyncClient:
         try:
             async for event in self.stream(request_id, timeout=timeout, wait_for_worker=wait_for_worker):
                 result.add(event)
-        except NoWorker:
+        except NoWorker as e:
             await self.cancel(request_id)  # nobody asked to wait: it must not run later for no one
-            raise
+            raise NoWorker(request_id, self.no_worker_message(WITHDRAWN)) from e
         return result
 
     async def cancel(self, request_id: str) -> None:

@@ -61,3 +61,27 @@ def test_what_the_worker_would_refuse_is_refused_first_under_the_gateways_limits
     assert check_job(two, DEFAULT, 0).messages is not None
     fewer = refusal(two, Limits(max_messages=1))  # the limits given, not the defaults
     assert (fewer.code, fewer.message) == ("invalid_request", "`messages` must be a list of 1-1 messages")
+
+
+def test_sampling_parameters_the_engine_refuses_are_refused_here() -> None:
+    """The page's `temperature: -5` used to be pushed, refused by the worker and dead-lettered."""
+    cold = refusal(job(prompt="x", params={"temperature": -5}))
+    assert (cold.code, cold.request_id) == ("invalid_params", "r:1")
+    assert cold.message.startswith("invalid sampling parameters: ") and "temperature" in cold.message
+    unknown = refusal(job(prompt="x", params={"nucleus": 0.9}))
+    assert (unknown.code, unknown.message) == ("invalid_params",
+                                               "invalid sampling parameters: unknown sampling parameter(s): nucleus")
+
+
+def test_max_tokens_past_the_context_only_where_asked_and_at_its_edge() -> None:
+    at = job(prompt_token_ids=[5] * 10, params={"max_tokens": 54})
+    assert check_job(at, DEFAULT, 0, max_model_len=64).params == {"max_tokens": 54}
+    # Without max_model_len (/ws jobs): no such check, the answer ends at the context (`length`).
+    assert check_job(job(prompt_token_ids=[5] * 10, params={"max_tokens": 55}), DEFAULT, 0).id == "r:1"
+    with pytest.raises(ProtocolError) as refused:
+        check_job(job(prompt_token_ids=[5] * 10, params={"max_tokens": 55}), DEFAULT, 0, max_model_len=64)
+    assert (refused.value.code, refused.value.request_id) == ("invalid_request", "r:1")
+    assert "(55 > 64 - 10)" in refused.value.message
+    text = job(prompt="a long text", params={"max_tokens": 63})  # at least one token: 63 fits
+    assert check_job(text, DEFAULT, 0, max_model_len=64).prompt == "a long text"
+    assert check_job(job(prompt="x", params={}), DEFAULT, 0, max_model_len=64).params == {}  # no bound asked

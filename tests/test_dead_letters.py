@@ -47,7 +47,8 @@ async def test_dead_letters_are_bounded_in_bytes_age_and_count(llama_ckpt: Path,
                               dead_max_len=50):
         r.xadd(NAMES.requests, {"json": b"{" + b"x" * 200_000})  # 200 KB of bad JSON
         r.xadd(NAMES.requests, {f"field-{i:03d}-" + "n" * 200: "v" * 100 for i in range(100)})  # 100 fields
-        r.xadd(NAMES.requests, _job("bad-params", prompt="hi", params={"temperature": -1.0}))
+        r.set(NAMES.job("taken"), "0-1")  # another entry owns the id: the job cannot be served
+        r.xadd(NAMES.requests, _job("taken", prompt="hi", params=GREEDY))
         await wait_for(lambda: r.xlen(NAMES.requests) == 0, timeout=30)
         letters = dead_letters(redis_url)
         assert len(letters) <= 100, len(letters)  # trimmed by age (whole nodes: `~`)
@@ -55,15 +56,15 @@ async def test_dead_letters_are_bounded_in_bytes_age_and_count(llama_ckpt: Path,
         assert len(new) == 3
         big = next(d for d in new if "payload_json" in d and "id" not in d)
         many = next(d for d in new if "payload_json" not in d)
-        params = next(d for d in new if d.get("id") == b"bad-params")
+        taken = next(d for d in new if d.get("id") == b"taken")
         assert big["reason"] == b"bad_encoding" and len(big["payload_json"]) == 1000
         assert int(big["payload_bytes"]) == 200_001
         payload_fields = [k for k in many if k.startswith("payload_") and k != "payload_bytes"]
         assert len(payload_fields) == 4 and all(len(k) == len("payload_") + 64 for k in payload_fields)
         assert all(len(many[k]) == 100 for k in payload_fields) and int(many["payload_bytes"]) == 100 * 100
         assert many["reason"] == b"bad_encoding" and len(many["message"]) == 1024
-        assert params["reason"] == b"invalid_params" and "payload_bytes" not in params
-        assert json.loads(params["payload_json"])["id"] == "bad-params"  # kept whole
+        assert taken["reason"] == b"duplicate_id" and "payload_bytes" not in taken
+        assert json.loads(taken["payload_json"])["id"] == "taken"  # kept whole
         # The count cap: far more bad jobs than dead_max_len leave about dead_max_len letters.
         for i in range(300):
             r.xadd(NAMES.requests, {"json": f"not json {i}"})
@@ -78,7 +79,8 @@ async def test_streamer_dead_lists_shows_requeues_and_purges(llama_ckpt: Path, r
     r.xadd(NAMES.dead, {"reason": "internal", "message": "old"}, id="1000-0")  # from 1970
     async with running_worker(llama_ckpt, redis_url, dead_payload_bytes=1000) as worker:
         ids = {}
-        for rid, params in (("cut", {"temperature": -1.0, "stop": ["s" * 2000]}), ("whole", {"temperature": -1.0})):
+        for rid, params in (("cut", {**GREEDY, "stop": ["s" * 2000]}), ("whole", GREEDY)):
+            r.set(NAMES.job(rid), "0-1")  # another entry owns the id: a duplicate, kept as a dead letter
             r.xadd(NAMES.requests, _job(rid, prompt="hi", params=params))
             await wait_for(lambda: r.xlen(NAMES.dead) == len(ids) + 2, timeout=30)
             (dead_id, _), = r.xrevrange(NAMES.dead, count=1)
@@ -88,16 +90,16 @@ async def test_streamer_dead_lists_shows_requeues_and_purges(llama_ckpt: Path, r
         assert listing.returncode == 0, listing.stderr
         lines = listing.stdout.splitlines()
         assert lines[0].split() == ["ID", "TIME", "(UTC)", "REASON", "REQUEST", "WORKER", "PAYLOAD"]
-        assert lines[1].startswith(ids["whole"]) and "invalid_params" in lines[1]  # newest first
+        assert lines[1].startswith(ids["whole"]) and "duplicate_id" in lines[1]  # newest first
         assert worker.cfg.consumer in lines[1] and "(cut)" in lines[2] and "1970-01-01" in lines[3]
         assert lines[-1].startswith("3 newest of 3 dead letter(s) in llm:dead")
-        assert (await cli("dead", "list", "--count", "1", url=redis_url)).stdout.count("invalid_params") == 1
+        assert (await cli("dead", "list", "--count", "1", url=redis_url)).stdout.count("duplicate_id") == 1
 
         shown = await cli("dead", "show", ids["whole"], url=redis_url)
         assert shown.returncode == 0, shown.stderr
         whole = json.loads(shown.stdout)
-        assert whole["dead_letter"] == ids["whole"] and whole["fields"]["reason"] == "invalid_params"
-        assert whole["payload"] == {"v": 1, "id": "whole", "prompt": "hi", "params": {"temperature": -1.0}}
+        assert whole["dead_letter"] == ids["whole"] and whole["fields"]["reason"] == "duplicate_id"
+        assert whole["payload"] == {"v": 1, "id": "whole", "prompt": "hi", "params": GREEDY}
 
         cut = await cli("dead", "requeue", ids["cut"], url=redis_url)
         assert cut.returncode == 2 and "kept only 1000 of its" in cut.stderr and "cannot be requeued" in cut.stderr

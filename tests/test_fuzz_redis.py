@@ -30,6 +30,7 @@ from redis_worker_helpers import check_complete, read_events, running_worker
 from clients.errors import ProtocolError
 from clients.protocol import Names, decode_job
 from workers.redis_server import RedisServer
+from workers.worker.answers import CLIENT_FAULTS
 
 NAMES = Names()
 # What the worker may answer (docs/protocol.md): never `internal`, which would mean a bug.
@@ -101,7 +102,8 @@ def check_answered(events: list[dict], letters: list[dict]) -> None:
         final = check_complete(events)
         if final["type"] == "error":
             assert final["code"] in CODES, final
-            assert letters or final["code"] == "expired", "an error event without its dead letter"
+            # The client's own mistakes are answered, not kept; anything else is kept for the operator.
+            assert bool(letters) == (final["code"] not in CLIENT_FAULTS | {"expired"}), (final, letters)
 
 
 @FUZZ

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import redis.asyncio as aioredis
 from test_gateway import NAMES, config, done, emit, http_get, recv, send, tokens, wait_jobs, without_workers
@@ -72,6 +73,12 @@ REFUSED = [
     (json.dumps({"type": "resume", "id": "r1", "after_seq": -2}), "invalid_request", "r1"),
     # An invalid id is not echoed back.
     (json.dumps({"type": "cancel", "id": "no spaces allowed"}), "invalid_request", None),
+    # Sampling parameters the engine refuses (the page's settings): used to be pushed, then refused by
+    # the worker and kept in the operator's dead letters.
+    (json.dumps({"type": "generate", "id": "cold", "prompt": "x", "params": {"temperature": -5}}), "invalid_params",
+     "cold"),
+    (json.dumps({"type": "generate", "id": "nucleus", "prompt": "x", "params": {"nucleus": 0.9}}),
+     "invalid_params", "nucleus"),
 ]
 
 
@@ -137,6 +144,34 @@ async def test_prompt_limit_is_learned_from_the_workers_heartbeats(redis_url: st
         assert (reply["code"], reply["id"]) == ("invalid_request", "b") and "at most 63" in reply["message"]
         assert (await reply_to(ws, {"type": "generate", "id": "c", "prompt_token_ids": [1] * 63}))["type"] == \
             "accepted"
+    await r.aclose()
+
+
+@pytest.mark.anyio
+async def test_openai_max_tokens_past_the_context_is_refused_as_vllm_does(redis_url: str) -> None:
+    """A `max_tokens` the context cannot hold beside the prompt is a 400 in vLLM's words, counted
+    exactly for token-id prompts and with the one token a text prompt has at least; nothing is
+    pushed. Within the context, or with no bound (chat), the job is pushed."""
+    r = aioredis.Redis.from_url(redis_url)
+    await r.delete(NAMES.requests)
+    async with running_gateway(config(redis_url)) as gw, httpx.AsyncClient(base_url=gw.url + "v1") as http:
+        await beat(r, "w1", max_model_len=64)
+        assert (await http_get(gw.url + "readyz"))[0] == 200  # a readiness check refreshes what is known
+        huge = await http.post("/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 10_000_000})
+        assert huge.status_code == 400, huge.text
+        assert huge.json()["error"]["message"] == (
+            "'max_tokens' or 'max_completion_tokens' is too large: 10000000. This model's maximum context length "
+            "is 64 tokens and your request has at least 1 input token (10000000 > 64 - 1).")
+        ids = await http.post("/completions", json={"model": "tiny", "prompt": [1] * 10, "max_tokens": 55})
+        assert ids.status_code == 400 and "has 10 input tokens (55 > 64 - 10)" in ids.json()["error"]["message"]
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 64}
+        assert (await http.post("/chat/completions", json=chat)).status_code == 400
+        assert await r.xlen(NAMES.requests) == 0  # nothing refused was pushed
+        for path, body in (("/completions", {"model": "tiny", "prompt": [1] * 10, "max_tokens": 54}),
+                           ("/chat/completions", {**chat, "max_completion_tokens": None})):
+            async with http.stream("POST", path, json={**body, "stream": True}) as fits:
+                assert fits.status_code == 200
+        assert await r.xlen(NAMES.requests) == 2
     await r.aclose()
 
 

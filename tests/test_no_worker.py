@@ -8,6 +8,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+import redis
 import redis.asyncio as aioredis
 from redis_worker_helpers import NAMES, running_worker
 
@@ -26,14 +27,19 @@ async def test_client_without_a_worker_raises_no_worker_and_withdraws_the_job(re
         assert "no worker is serving llm:requests on " + redis_url in str(err.value)
         assert "streamer up" in str(err.value)
         assert await r.exists(NAMES.cancelled(err.value.request_id))  # it will not run later for no one
+        # The message says what happened to the job: withdrawn here, never "stays queued".
+        assert "the job was withdrawn" in str(err.value) and "stays queued" not in str(err.value)
     await r.aclose()
 
 
 def test_blocking_client_raises_no_worker_too(redis_url: str) -> None:
     with Client(redis_url) as client:
         rid = client.submit("hi", params={"max_tokens": 2})
-        with pytest.raises(NoWorker):
+        with pytest.raises(NoWorker) as err:
             list(client.stream(rid, timeout=30))
+    # stream() only reads: the job is still queued, and the message says so.
+    assert "the job stays queued" in str(err.value) and "withdrawn" not in str(err.value)
+    assert redis.Redis.from_url(redis_url).xlen(NAMES.requests) == 1
 
 
 @pytest.mark.anyio

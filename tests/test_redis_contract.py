@@ -22,10 +22,11 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
+from redis.crc import key_slot
 from redis_worker_helpers import NAMES, check_complete, dead_letters, read_events, running_worker
 
 from clients.events import done_event, token_event
-from clients.protocol import decode_message, encode
+from clients.protocol import Names, decode_event, decode_message, encode
 from clients.redis_client import AsyncClient
 from workers.worker.event_writer import EventWriter, Write
 
@@ -61,18 +62,21 @@ async def subscribe(r: aioredis.Redis) -> PubSub:
     return sub
 
 
-async def heard(r: aioredis.Redis, sub: PubSub, request_ids: list[str]) -> dict[str, list[dict[str, Any]]]:
-    """Every message published so far, per request id (channel), decoded, in arrival order."""
+async def heard(r: aioredis.Redis, sub: PubSub, request_ids: list[str],
+                names: Names = NAMES) -> dict[str, list[dict[str, Any]]]:
+    """Every message published so far, per request id (channel), decoded, in arrival order. With
+    cluster names the channels are shard channels."""
     for rid in request_ids:
-        await r.publish(NAMES.tokens(rid), END)
+        await (r.spublish if names.cluster else r.publish)(names.tokens(rid), END)
     got: dict[str, list[dict[str, Any]]] = {}
     open_ids = set(request_ids)
+    of_channel = {names.tokens(rid).encode(): rid for rid in request_ids}
     with anyio.fail_after(10):
         while open_ids:
             m = await sub.get_message(ignore_subscribe_messages=True, timeout=1)
             if m is None:
                 continue
-            rid = m["channel"].decode()[len(NAMES.tokens("")):]
+            rid = of_channel.get(m["channel"]) or m["channel"].decode()[len(names.tokens("")):]
             if m["data"] == END:
                 open_ids.discard(rid)
             else:
@@ -437,7 +441,8 @@ async def test_every_key_a_finished_job_leaves_expires(llama_ckpt: Path, redis_u
             while await r.xlen(NAMES.requests) or (await r.xpending(NAMES.requests, NAMES.group))["pending"]:
                 await anyio.sleep(0.02)
         assert worker.cfg.events_ttl_s == TTL_MS / 1000
-    assert sorted(d["reason"].decode() for d in dead_letters(redis_url)) == ["duplicate_id", "invalid_params"]
+    # The rejected params were answered in their own stream: only the duplicate is a dead letter.
+    assert [d["reason"].decode() for d in dead_letters(redis_url)] == ["duplicate_id"]
 
     live = await heard(r, sub, list(finished))
     assert sorted(live) == sorted(finished)  # nothing on any other channel (the duplicate's included)
@@ -464,3 +469,155 @@ async def test_every_key_a_finished_job_leaves_expires(llama_ckpt: Path, redis_u
         # The claim, set when the job was read, is renewed by the ack: it must not expire before the
         # events it guards (a reused id would then be taken for a finished job and silently dropped).
         assert ttls[NAMES.job(rid)] >= ttls[NAMES.events(rid)], (rid, ttls)
+
+
+@pytest.mark.anyio
+async def test_the_slowest_round_trip_since_the_last_look_is_reported_once(r: aioredis.Redis,
+                                                                          writer: EventWriter) -> None:
+    """A slow-step trace names the slowest event write of its step: `take_slowest_round_trip` is the
+    longest round trip since the previous call (not the last one), then starts again from zero; every
+    round trip's time also goes to `on_round_trip` (the write-time metric)."""
+    times: list[float] = []
+    writer.on_round_trip = times.append
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(writer.run)
+            async with writes_held(r):
+                writer.put(Write("slow", "json", tokens("slow", range(1))))
+                await in_flight(writer)
+                await anyio.sleep(0.3)  # the round trip waits at Redis this long
+            await writer.wait_idle()
+            writer.put(Write("fast", "json", tokens("fast", range(1))))
+            await writer.wait_idle()
+            writer.close()
+    assert len(times) == writer.round_trips == 2 and times[0] >= 0.3 > times[1]
+    assert writer.take_slowest_round_trip() == times[0]
+    assert writer.take_slowest_round_trip() == 0.0  # nothing since the last look
+
+
+# --- on a Redis Cluster (one node holding every slot: see conftest.py) ------------------------------
+# There the events of one slot go in one script call, published on shard channels (SPUBLISH), a fresh
+# node answers NOSCRIPT (a cluster pipeline sends plain EVALSHA), and the acks follow in a second round
+# trip, since the requests stream and a request's keys are in different slots.
+
+CLUSTER = Names(cluster=True)
+
+
+@pytest.fixture
+async def rc(one_node_cluster_url: str) -> AsyncIterator[aioredis.RedisCluster]:
+    client = aioredis.RedisCluster.from_url(one_node_cluster_url)
+    yield client
+    await client.aclose()
+
+
+async def cluster_flush(rc: aioredis.RedisCluster, *writes: Write, on_fenced: Callable[[str, int], None] | None = None,
+                        round_trips: int) -> None:
+    """Everything put goes out as one flush of a worker on a cluster, in `round_trips` round trips."""
+    writer = EventWriter(rc, CLUSTER, TTL_MS, **({"on_fenced": on_fenced} if on_fenced else {}))
+    for w in writes:
+        writer.put(w)
+    writer.close()
+    with anyio.fail_after(10):
+        await writer.run()
+    assert writer.round_trips == round_trips
+
+
+async def shard_subscribe(url: str, request_ids: list[str]) -> tuple[aioredis.Redis, PubSub]:
+    """A plain client of the node, on each request's shard channel (SSUBSCRIBE hears only SPUBLISH)."""
+    node = aioredis.Redis.from_url(url)
+    sub = node.pubsub()
+    with anyio.fail_after(5):
+        for rid in request_ids:  # one at a time: one SSUBSCRIBE names channels of one slot only
+            await sub.ssubscribe(CLUSTER.tokens(rid))
+            while (await sub.get_message(timeout=1)) is None:  # its confirmation
+                pass
+    return node, sub
+
+
+def same_slot_ids(prefix: str, count: int) -> list[str]:
+    """`count` request ids whose keys share one slot (a flush sends them in one script call)."""
+    by_slot: dict[int, list[str]] = {}
+    for i in range(100_000):
+        rid = f"{prefix}-{i}"
+        ids = by_slot.setdefault(key_slot(CLUSTER.events(rid).encode()), [])
+        ids.append(rid)
+        if len(ids) == count:
+            return ids
+    raise AssertionError("no slot found")
+
+
+async def evalsha_calls(url: str) -> int:
+    node = aioredis.Redis.from_url(url)
+    stats = await node.info("commandstats")
+    await node.aclose()
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+@pytest.mark.anyio
+async def test_a_flush_on_a_cluster_is_one_script_per_slot_published_on_shard_channels(
+        rc: aioredis.RedisCluster, one_node_cluster_url: str) -> None:
+    """Three requests, two of them in one slot: two script calls in one round trip (a script whose keys
+    span slots is refused with CROSSSLOT), each event stored once and heard once on its shard channel."""
+    together, alone = same_slot_ids("pair", 2), "alone"
+    ids = [*together, alone]
+    assert key_slot(CLUSTER.events(alone).encode()) != key_slot(CLUSTER.events(together[0]).encode())
+    await cluster_flush(rc, Write("warm-up", "json", tokens("warm-up", range(1))), round_trips=2)  # NOSCRIPT, again
+    node, sub = await shard_subscribe(one_node_cluster_url, ids)
+    before = await evalsha_calls(one_node_cluster_url)
+    await cluster_flush(rc, *(Write(rid, "json", tokens(rid, range(3))) for rid in ids), round_trips=1)
+    assert await evalsha_calls(one_node_cluster_url) - before == 2
+    live = await heard(node, sub, ids, names=CLUSTER)
+    await node.aclose()
+    assert live == {rid: tokens(rid, range(3)) for rid in ids}
+    for rid in ids:
+        assert await rc.xlen(CLUSTER.events(rid)) == 3 and 0 < await rc.pttl(CLUSTER.events(rid)) <= TTL_MS
+
+
+@pytest.mark.anyio
+async def test_a_fresh_cluster_node_gets_the_scripts_and_the_flush_lands_once(
+        rc: aioredis.RedisCluster, one_node_cluster_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A node that holds no script (fresh, or restarted without them) answers NOSCRIPT: the writer loads
+    them and sends the whole flush again, and nothing is stored, published or acked twice."""
+    rid = "fresh"
+    await rc.xgroup_create(CLUSTER.requests, CLUSTER.group, id="0", mkstream=True)
+    entry = (await rc.xadd(CLUSTER.requests, {"json": b"{}"})).decode()
+    await rc.xreadgroup(CLUSTER.group, "w", {CLUSTER.requests: ">"})
+    node, sub = await shard_subscribe(one_node_cluster_url, [rid])
+    events = [*tokens(rid, range(2)), done_event(rid, 2, ["length"], {})]
+    # The refused round trip, then the events and the acks apart.
+    await cluster_flush(rc, Write(rid, "json", events, ack_entry=entry), round_trips=3)
+    assert (await heard(node, sub, [rid], names=CLUSTER))[rid] == events
+    await node.aclose()
+    assert [decode_event(f) for _, f in await rc.xrange(CLUSTER.events(rid))] == events
+    assert await rc.xlen(CLUSTER.requests) == 0
+    assert any("event writer" in m and "NoScriptError" in m for m in writer_warnings(caplog)), \
+        writer_warnings(caplog)
+
+
+@pytest.mark.anyio
+async def test_acks_on_a_cluster_follow_apart_and_skip_a_job_taken_over(rc: aioredis.RedisCluster) -> None:
+    """Finished jobs are acked and removed from the stream that holds them (the shared one, or a worker's
+    own for a routed job) and their id claim and fence get the events' TTL, in a round trip after the
+    events; a job another worker claimed since is neither acked nor renewed, and is reported."""
+    own = CLUSTER.worker_requests("w")
+    entries: dict[str, str] = {}
+    for stream in (CLUSTER.requests, own):
+        await rc.xgroup_create(stream, CLUSTER.group, id="0", mkstream=True)
+    for rid, stream in (("shared", CLUSTER.requests), ("routed", own), ("taken", CLUSTER.requests)):
+        entries[rid] = (await rc.xadd(stream, {"json": b"{}"})).decode()
+        await rc.xreadgroup(CLUSTER.group, "w", {stream: ">"})
+        await rc.set(CLUSTER.job(rid), entries[rid], px=1000)  # claimed long ago: almost expired
+        await rc.hset(CLUSTER.fence(rid), "epoch", 2 if rid == "taken" else 1)
+    fenced: list[tuple[str, int]] = []
+    await cluster_flush(rc, *(Write(rid, "json", [done_event(rid, 0, ["length"], {})], ack_entry=entries[rid],
+                                    ack_stream=own if rid == "routed" else "", epoch=1)
+                              for rid in entries),
+                        on_fenced=lambda *f: fenced.append(f), round_trips=3)  # NOSCRIPT, events, acks
+    assert fenced == [("taken", 1)]
+    assert [e for e, _ in await rc.xrange(CLUSTER.requests)] == [entries["taken"].encode()]
+    assert (await rc.xpending(CLUSTER.requests, CLUSTER.group))["pending"] == 1
+    assert await rc.xlen(own) == 0 and (await rc.xpending(own, CLUSTER.group))["pending"] == 0
+    for rid in ("shared", "routed"):
+        assert TTL_MS // 2 < await rc.pttl(CLUSTER.job(rid)) <= TTL_MS
+        assert TTL_MS // 2 < await rc.pttl(CLUSTER.fence(rid)) <= TTL_MS
+    assert await rc.pttl(CLUSTER.job("taken")) <= 1000 and await rc.pttl(CLUSTER.fence("taken")) == -1

@@ -81,9 +81,7 @@ async def _require_worker(client: AsyncClient, patience_s: float = 2.0) -> None:
     deadline = anyio.current_time() + patience_s
     while not await client.live_workers():
         if anyio.current_time() > deadline:
-            raise UserError(client.no_worker_message().replace(
-                "(the job stays queued; wait_for_worker=True waits for one)", "(or pass --wait to queue the "
-                "prompt until one starts)"))
+            raise UserError(client.no_worker_message("or pass --wait to queue the prompt until one starts"))
         await anyio.sleep(0.25)
 
 
@@ -156,8 +154,7 @@ async def _print_stream(client: AsyncClient, request_id: str, args: argparse.Nam
     except NoWorker as e:
         with anyio.CancelScope(shield=True):
             await client.cancel(request_id)
-        raise UserError(e.message.replace("(the job stays queued; wait_for_worker=True waits for one)",
-                                          "(the prompt was withdrawn; --wait waits for a worker)")) from e
+        raise UserError(client.no_worker_message("the prompt was withdrawn; --wait waits for a worker")) from e
     except TimeoutError:
         with anyio.CancelScope(shield=True):
             await client.cancel(request_id)

@@ -29,6 +29,7 @@ class Gateway(Protocol):
     started_wall: float
     http_streams: dict[str, int]  # request id -> HTTP streams relaying it now
     draining: asyncio.Event  # set when the gateway starts shutting down
+    workers_max_model_len: int  # the longest context a live worker announces (0: none has)
 
     def prompt_limit(self) -> int: ...
 

@@ -2,7 +2,8 @@
 
 `/v1/completions` and `/v1/chat/completions` bodies are checked field by field, as OpenAI checks them
 (an unknown or unsupported field is a 400 naming it, never silently dropped), and become one job per
-prompt, whose `params` the engine's own `SamplingParams` validates here, before anything is pushed.
+prompt, whose `params` the engine's own `SamplingParams` validates (admission.check_job, as for /ws
+jobs) before anything is pushed.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clients.chat_messages import parse_tool_choice, parse_tools
-from streamer.sampling_params import SamplingParams
 from workers.gateway.admission import MAX_TOKENS_LIMIT
 
 MAX_PROMPTS = 64  # prompts in one completions request (each is a job)
@@ -129,15 +129,7 @@ def _sampling(body: dict[str, Any], max_tokens_name: str, default_max: int | Non
     n = params.get("n", 1)
     if not _is_int(n) or not 1 <= n <= MAX_N:
         raise bad(f"`n` must be an integer from 1 to {MAX_N}", "n")
-    _check_with_engine(params)
     return params
-
-
-def _check_with_engine(params: dict[str, Any]) -> None:
-    try:
-        SamplingParams.from_dict(params)
-    except (ValueError, TypeError) as e:
-        raise bad(f"invalid sampling parameters: {e}", None, "invalid_params") from e
 
 
 def _priority(body: dict[str, Any]) -> int | None:

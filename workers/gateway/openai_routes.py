@@ -194,7 +194,7 @@ class OpenAIRoutes:
                 job["priority"] = req.priority
             tag(job, tenant, session)
             try:
-                check_job(job, self.gw.limits, self.gw.prompt_limit())
+                check_job(job, self.gw.limits, self.gw.prompt_limit(), self.gw.workers_max_model_len)
             except ProtocolError as e:
                 raise from_protocol(e) from e
             jobs.append(job)

@@ -27,6 +27,10 @@ log = logging.getLogger("streamer.worker")
 DEAD_MESSAGE_CHARS = 1024
 DEAD_PAYLOAD_FIELDS = 4
 DEAD_FIELD_NAME_CHARS = 64
+# The client's own mistakes: a job refused with one of these in its own stream has its answer, and
+# there is nothing for an operator to serve again, so it is acked without a dead letter (the dead
+# letters are for jobs no worker could serve: unreadable, no id to answer, failed, a duplicate).
+CLIENT_FAULTS = frozenset({"invalid_request", "invalid_params", "unsupported_version", "too_large"})
 
 
 class Answers:
@@ -51,20 +55,25 @@ class Answers:
                               epoch=run.epoch))
 
     async def fail(self, run: RunningJob, code: str, message: str) -> None:
-        """Answer a job we own with an error event and keep it in the dead letters."""
+        """Answer a job we own with an error event, and keep it in the dead letters unless the error
+        is the client's own mistake."""
         error = ProtocolError(code, message[:300], run.job.id)
         log.info("request %s (entry %s): %s: %s", run.job.id, run.entry_id, code, error.message)
-        await self.dead_letter(run.entry_id, run.fields, error)
+        if code not in CLIENT_FAULTS:
+            await self.dead_letter(run.entry_id, run.fields, error)
         self.emit(run, [], error=error)
 
     async def reject(self, d: Delivery, error: ProtocolError) -> None:
-        """A job that failed decoding or validation: dead letter, and an error event when it has an id."""
+        """A job that failed decoding or validation: an error event when it has an id we own, a dead
+        letter when it has none or the error is not the client's own mistake."""
         log.info("rejected entry %s (request %s): %s %s", d.entry_id, error.request_id, error.code,
                  error.message)
-        await self.dead_letter(d.entry_id, d.fields, error)
         if error.request_id is None or not d.ours or d.state.finished:
+            await self.dead_letter(d.entry_id, d.fields, error)
             await self.ack(d.stream, d.entry_id)  # never write into another request's stream
             return
+        if error.code not in CLIENT_FAULTS:
+            await self.dead_letter(d.entry_id, d.fields, error)
         job = Job(id=error.request_id, encoding=_encoding_of(d.fields))
         self.emit(RunningJob(job, d.entry_id, d.state.next_seq, d.fields, stream=d.stream, epoch=d.epoch), [],
                   error=error)
