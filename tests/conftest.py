@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random checkpoints and a private redis-server per test session."""
 
 import os
+import time
 
 # The Triton interpreter must be chosen before any @triton.jit function is defined, and only
 # where there is no GPU to run the kernels for real.
@@ -60,3 +61,37 @@ def redis_url(redis_server: RedisServer) -> str:
     client.flushall()
     client.close()
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def one_node_cluster() -> RedisServer:
+    """A Redis Cluster of one redis-server holding every slot, for the session: the clients' cluster
+    paths (plain EVALSHA without a preload, one script per slot, acks apart, shard channels) run as on
+    a real cluster, and the server refuses a command whose keys span slots (CROSSSLOT) as every node
+    does, for the cost of one server (a 3-master LocalCluster takes seconds to form)."""
+    import redis
+
+    with RedisServer(cluster=True) as server:
+        client = redis.Redis(port=server.port)
+        client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+        deadline = time.monotonic() + 30
+        # A fresh master stays unwritable for about 2 s after it starts (Redis's rejoin delay).
+        while b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
+            assert time.monotonic() < deadline, "the one-node Redis Cluster did not come up"
+            time.sleep(0.05)
+        client.close()
+        yield server
+    server.remove_data()
+
+
+@pytest.fixture
+def one_node_cluster_url(one_node_cluster: RedisServer) -> str:
+    """That cluster flushed before each test, its scripts too: each test starts on a fresh node,
+    which answers NOSCRIPT to a script's first EVALSHA."""
+    import redis
+
+    client = redis.Redis(port=one_node_cluster.port)
+    client.flushall()
+    client.script_flush()
+    client.close()
+    return one_node_cluster.url

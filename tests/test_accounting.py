@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis_faults import drop_connections, writes_held
 
 from clients.names import Names
 from clients.protocol import Job
@@ -114,6 +115,29 @@ async def test_charges_survive_a_server_that_forgot_its_scripts(r: aioredis.Redi
     acc.finished(Job("j2", "json", prompt="x", tenant="acme"), 3, NO_TENANT, 256.0, None)
     await acc.flush()
     assert await r.hget(NAMES.service, "acme") == b"15"
+
+
+@pytest.mark.anyio
+async def test_charges_land_once_on_a_cluster_node_without_the_script(one_node_cluster_url: str) -> None:
+    """On a cluster the charge goes as a plain EVALSHA (a cluster pipeline loads no script): a fresh
+    node answers NOSCRIPT, and the worker loads the script and charges again, each job once, divided
+    by its tenant's share; the rest of the flush has landed meanwhile."""
+    cluster = Names(cluster=True)
+    rc = aioredis.RedisCluster.from_url(one_node_cluster_url)
+    try:
+        await rc.hset(cluster.tenants, "acme", 2)
+        await rc.zadd(cluster.tenant_active("acme"), {"j1": 1})
+        acc = Accounting(rc, cluster, ME, TTL_MS, held=lambda: 1)
+        acc.finished(Job("j1", "json", prompt="x", tenant="acme"), 12, NO_TENANT, 256.0, None)
+        acc.finished(Job("j2", "json", prompt="x"), 7, NO_TENANT, 0.0, None)
+        await acc.flush()
+        assert await rc.hgetall(cluster.service) == {b"acme": b"6", NO_TENANT.encode(): b"7"}
+        assert await rc.zcard(cluster.tenant_active("acme")) == 0 and await rc.hget(cluster.loads, ME) == b"1"
+        acc.finished(Job("j3", "json", prompt="x", tenant="acme"), 4, NO_TENANT, 256.0, None)
+        await acc.flush()  # the script is there now: charged in the flush itself
+        assert await rc.hget(cluster.service, "acme") == b"8"
+    finally:
+        await rc.aclose()
 
 
 @pytest.mark.anyio
@@ -218,6 +242,47 @@ async def test_what_a_failed_flush_held_goes_out_with_the_next(r: aioredis.Redis
     assert await r.get(NAMES.session("chat-1")) == ME.encode()
     assert await r.hget(NAMES.service, "acme") == b"10" and not await r.exists(NAMES.tenant_active("acme"))
     assert await advertised(r) == {"c0", "c1"}
+
+
+ACCOUNTING = "accounting-under-test"  # CLIENT SETNAME of its connection, to drop it
+
+
+@pytest.mark.anyio
+async def test_what_jobs_record_while_a_flush_is_out_survives_its_failure(r: aioredis.Redis, redis_url: str) -> None:
+    """Job tasks go on recording while a flush's round trip is out. When that round trip is lost (a
+    dropped connection), what it carried and what was recorded meanwhile both go out with the next
+    flush: no charge, freed slot or session lost, and the advert ends as the cache is (what was dropped
+    during the failed round trip leaves Redis, what was added meanwhile is there)."""
+    capacity = [100]
+    named = aioredis.Redis.from_url(redis_url, client_name=ACCOUNTING, retry=Retry(NoBackoff(), 0))
+    acc = Accounting(named, NAMES, ME, TTL_MS, capacity=lambda: capacity[0])
+    acc.prefixes.add(chain([10, 20], "a"))
+    acc.prefixes.add(chain([10, 20], "b"))
+    await acc.flush()  # the whole set is written: the next flushes send only what changed
+    await r.zadd(NAMES.tenant_active("acme"), {"j1": 1, "j2": 1})
+    acc.started(Job("j1", "json", prompt="x", session="s-1"))
+    acc.finished(Job("j1", "json", prompt="x", tenant="acme"), 10, "acme", 0.0, None)
+    capacity[0] = 40
+    acc.prefixes.add(chain([10, 20], "c"))  # c in, a out: this flush's change
+    with anyio.fail_after(10):
+        async with writes_held(r), anyio.create_task_group() as tg:
+            tg.start_soon(flush_failing, acc)
+            await anyio.wait_all_tasks_blocked()  # its round trip waits at Redis
+            acc.started(Job("j2", "json", prompt="x", session="s-2"))
+            acc.finished(Job("j2", "json", prompt="x", tenant="acme"), 5, "acme", 0.0, None)
+            capacity[0] = 20
+            acc.prefixes.add(chain([10, 20], "d"))  # d in, b and c out, while the flush is out
+            await drop_connections(r, ACCOUNTING)
+    await acc.flush()
+    await named.aclose()
+    assert {await r.get(NAMES.session(s)) for s in ("s-1", "s-2")} == {ME.encode()}
+    assert await r.hget(NAMES.service, "acme") == b"15" and not await r.exists(NAMES.tenant_active("acme"))
+    assert await advertised(r) == {"d0", "d1"}
+
+
+async def flush_failing(acc: Accounting) -> None:
+    with pytest.raises(RedisConnectionError):
+        await acc.flush()
 
 
 def unreachable() -> aioredis.Redis:

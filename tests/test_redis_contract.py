@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ import redis
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
 from redis.crc import key_slot
+from redis_faults import drop_connections, writes_held
 from redis_worker_helpers import NAMES, check_complete, dead_letters, read_events, running_worker
 
 from clients.events import done_event, token_event
@@ -219,30 +219,11 @@ async def writer(redis_url: str) -> AsyncIterator[EventWriter]:
     await client.aclose()
 
 
-@asynccontextmanager
-async def writes_held(r: aioredis.Redis) -> AsyncIterator[None]:
-    """Redis holds every write until the block ends (and by itself for at most 10 s, should a test fail
-    inside and leave the session's server paused)."""
-    await r.client_pause(10_000, all=False)
-    try:
-        yield
-    finally:
-        await r.client_unpause()
-
-
 async def in_flight(writer: EventWriter) -> None:
     """Until the writer's round trip is at Redis, held there by `writes_held`: the writer has taken what
     was put, and no round trip has come back."""
     await anyio.wait_all_tasks_blocked()
     assert writer.round_trips == 0
-
-
-async def drop_writer_connections(r: aioredis.Redis) -> None:
-    """CLIENT KILL every connection of the writer: its round trip fails as on a dropped connection."""
-    ids = [c["id"] for c in await r.client_list() if c["name"] == WRITER]
-    assert ids
-    for client_id in ids:
-        await r.client_kill_filter(_id=client_id)
 
 
 def writer_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -329,7 +310,7 @@ async def test_a_dropped_connection_is_retried_until_everything_is_in_redis_once
                 await in_flight(writer)
                 writer.put(Write("a", "json", a[2:], on_written=recorder(written, "a:2")))
                 writer.put(Write("b", "json", b, on_written=recorder(written, "b:0")))
-                await drop_writer_connections(r)
+                await drop_connections(r, WRITER)
                 writer.close()
                 assert written == []
             # run returns once it has sent everything

@@ -5,6 +5,7 @@ that changed and groups Redis lost are found again. The submitters' side is the 
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 
@@ -15,7 +16,7 @@ import redis.asyncio as aioredis
 from clients.names import Names
 from clients.protocol import decode_job, encode_job
 from clients.redis_client import AsyncClient
-from workers.worker.streams import BURST_TOKENS, CHARGE_TOKENS, NO_TENANT, StreamSet
+from workers.worker.streams import BURST_TOKENS, CHARGE_TOKENS, NO_TENANT, REFRESH_S, StreamSet
 
 NAMES = Names(lanes=(-1,))
 ME = "w-1"
@@ -114,3 +115,31 @@ async def test_waiting_takes_one_entry_uncharged_with_its_tenant(r: aioredis.Red
     assert taken.entry_id == (await r.xrange(taken.stream))[0][0]
     assert taken.stream == NAMES.tenant_stream(NAMES.requests, "acme")
     assert await r.hget(NAMES.service, "acme") is None  # charged only at its end
+
+
+async def calls(r: aioredis.Redis) -> Counter[str]:
+    """Commands the server ran since the last look, by name (INFO commandstats, then reset)."""
+    stats = await r.info("commandstats")
+    await r.config_resetstat()
+    return Counter({name.removeprefix("cmdstat_"): int(s["calls"]) for name, s in stats.items()})
+
+
+@pytest.mark.anyio
+async def test_a_warm_take_is_one_round_trip(r: aioredis.Redis, client: AsyncClient) -> None:
+    """A worker takes many times a second: once it has read the registry and made its groups, a take is
+    one script call. The registry is read again at most every REFRESH_S (or when the script says it
+    changed), and a stream's group is made once, not at every read of the registry."""
+    await client.submit("x", id="a", tenant="acme")
+    streams = StreamSet(r, NAMES, ME)
+    assert await take_ids(streams, 1) == ["a"]  # the registry read, a group made per stream
+    await calls(r)
+    started = time.monotonic()
+    for _ in range(5):
+        assert await streams.take(1) == []
+    elapsed = time.monotonic() - started
+    warm = await calls(r)
+    # On a slow machine the loop may pass a refresh or more (each one read of the registry).
+    assert warm["zrange"] <= elapsed // REFRESH_S and warm["evalsha"] == 5, (warm, elapsed)
+    assert warm["xgroup|create"] == 0
+    await streams.refresh(force=True)
+    assert (await calls(r))["xgroup|create"] == 0  # groups made before are not made again
