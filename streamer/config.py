@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from streamer.errors import ConfigError
+from streamer.spec_decode.config import SpeculativeConfig
 
 
 @dataclass
@@ -34,6 +35,9 @@ class EngineConfig:
     grammar_request_budget_s: float = 10.0
     grammar_compile_timeout_s: float = 10.0
     grammar_compile_workers: int = 1
+    # Speculative decoding (spec_decode/config.py), as vLLM's: {"method": "ngram", "num_speculative_tokens": 4,
+    # "prompt_lookup_max": 4, "prompt_lookup_min": 2}; None: off.
+    speculative_config: dict[str, Any] | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -65,3 +69,8 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        SpeculativeConfig.from_dict(self.speculative_config)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.from_dict(self.speculative_config)

@@ -97,6 +97,7 @@ def _merge(outputs: list[ModelOutput]) -> ModelOutput:
     token_ids: list[int] = []
     logprobs: list[dict[int, float] | None] = []
     beam_logprobs: list = []
+    accepted: list[list[int]] = []
     for seqs, result in outputs:
         if result is None:
             continue
@@ -104,4 +105,7 @@ def _merge(outputs: list[ModelOutput]) -> ModelOutput:
         token_ids += result.token_ids
         logprobs += result.logprobs
         beam_logprobs += result.beam_logprobs
-    return (sampled, SamplerOutput(token_ids, logprobs, beam_logprobs) if sampled else None)
+        accepted += result.accepted or [[] for _ in seqs]
+    if not sampled:
+        return sampled, None
+    return sampled, SamplerOutput(token_ids, logprobs, beam_logprobs, accepted if any(accepted) else None)

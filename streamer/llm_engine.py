@@ -29,6 +29,7 @@ from streamer.sampler import Sampler
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler import Scheduler, SchedulerConfig
 from streamer.scheduler_output import SchedulerOutput
+from streamer.spec_decode.ngram_proposer import NgramProposer
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -62,11 +63,14 @@ class LLMEngine:
         self.runner = make_executor(config, self.model_config, self.device, Sampler(self.eos_token_ids, config.seed))
         # A sequence can never outgrow the whole cache, so cap its length there.
         self.max_model_len = min(self.model_config.max_model_len, self.runner.num_kv_blocks * config.block_size)
+        spec = config.speculative
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=self.runner.num_kv_blocks, block_size=config.block_size, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching, max_waiting_requests=config.max_waiting_requests,
-            max_waiting_tokens=config.max_waiting_tokens, eos_token_ids=self.eos_token_ids))
+            max_waiting_tokens=config.max_waiting_tokens, eos_token_ids=self.eos_token_ids,
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0),
+            proposer=NgramProposer(spec) if spec else None)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.prompts = PromptProcessor(self.tokenizer, self.model_config.hf_config.vocab_size, self.max_model_len)
         self.step_records: deque[StepRecord] = deque(maxlen=STEP_RECORDS)  # take_step_records() drains it

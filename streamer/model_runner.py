@@ -111,6 +111,8 @@ class ModelRunner:
         if logits is None:
             return [], None
         assert self.sampler is not None, "only rank 0 samples"
+        if any(step.drafts):
+            return step.sample_seqs, self.sampler.with_drafts(logits, step.sample_seqs, step.drafts)
         return step.sample_seqs, self.sampler(logits, step.sample_seqs)
 
     @torch.inference_mode()

@@ -87,8 +87,15 @@ class OutputProcessor:
         stopped: list[Sequence] = []
         for update in core.updates:
             state = self._states[update.seq.request_id]
-            completion, stop = self._completion(state.samples[update.seq.index], update)
-            touched.setdefault(update.seq.request_id, []).append(completion)
+            sample = state.samples[update.seq.index]
+            if sample.finish_reason is not None:
+                continue  # a stop string ended it at an earlier token of this step (kept drafts)
+            completion, stop = self._completion(sample, update)
+            completions = touched.setdefault(update.seq.request_id, [])
+            if completions and completions[-1].index == completion.index:
+                _extend(completions[-1], completion)  # several tokens of one sample: one delta
+            else:
+                completions.append(completion)
             if stop:
                 stopped.append(update.seq)
         for request_id, completions in touched.items():
@@ -136,3 +143,12 @@ class OutputProcessor:
                    for i, (ids, by_eos) in enumerate(zip(result.token_ids, result.finished_by_eos))]
         return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished=True,
                              prompt=request.prompt, metrics=request.metrics)
+
+
+def _extend(delta: CompletionOutput, later: CompletionOutput) -> None:
+    """Fold the delta of a sample's later token, from the same step, into its earlier one."""
+    delta.text += later.text
+    delta.token_ids = delta.token_ids + later.token_ids
+    delta.finish_reason, delta.stop_reason = later.finish_reason, later.stop_reason
+    if delta.logprobs is not None and later.logprobs is not None:
+        delta.logprobs = delta.logprobs + later.logprobs

@@ -12,7 +12,11 @@ from streamer.grammar import apply_masks
 from streamer.penalties import apply_penalties, penalised_row
 from streamer.random_stream import counter_uniforms, generator_uniforms
 from streamer.request import Sequence
+from streamer.spec_decode.rejection_sampler import settle, verify_group
 from streamer.top_k_top_p import NUCLEUS_CANDIDATES, Rules, candidates
+
+# Keys of the uniforms that decide whether a draft is kept: a stream apart from the draws' own.
+_ACCEPT_SALT = 0x5BD1E995 << 32
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -28,6 +32,8 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
     beam_logprobs: list[torch.Tensor | None]  # full next-token log-probs, for beam-search rows
+    # Per sequence, the drafts it kept before its token (speculative decoding); None: no drafts this step.
+    accepted: list[list[int]] | None = None
 
 
 class Sampler:
@@ -70,6 +76,49 @@ class Sampler:
             probs[group.rows] = group.dense(penalised.shape[1])
         return probs
 
+    def with_drafts(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> SamplerOutput:
+        """Sequence i has `1 + len(drafts[i])` consecutive rows of `logits`: keep the drafts the
+        rejection rule keeps (spec_decode/rejection_sampler.py), then one token. Sequences without
+        drafts sample as `__call__` does."""
+        first = [0]
+        for draft in drafts:
+            first.append(first[-1] + 1 + len(draft))
+        plain = [i for i, d in enumerate(drafts) if not d]
+        spec = [i for i, d in enumerate(drafts) if d]
+        out = SamplerOutput([0] * len(seqs), [None] * len(seqs), [None] * len(seqs), [[] for _ in seqs])
+        if plain:
+            result = self(logits[[first[i] for i in plain]], [seqs[i] for i in plain])
+            for j, i in enumerate(plain):
+                out.token_ids[i], out.logprobs[i], out.beam_logprobs[i] = \
+                    result.token_ids[j], result.logprobs[j], result.beam_logprobs[j]
+        if spec:
+            rows = [r for i in spec for r in range(first[i], first[i + 1])]
+            verified = settle([drafts[i] for i in spec], *self._verify(logits[rows], seqs, drafts, spec))
+            for j, i in enumerate(spec):
+                out.accepted[i], out.token_ids[i] = verified.accepted[j], verified.tokens[j]  # type: ignore[index]
+        return out
+
+    def _verify(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]], spec: list[int]
+                ) -> tuple[list[bool], list[int]]:
+        """Per row of the drafting sequences: whether its draft is kept, and the token drawn there."""
+        row_seqs = [seqs[i] for i in spec for _ in range(len(drafts[i]) + 1)]
+        offsets = [j for i in spec for j in range(len(drafts[i]) + 1)]
+        draft = torch.tensor([t for i in spec for t in (*drafts[i], -1)], device=logits.device)
+        x = logits.float()
+        drawn = argmax(x)
+        keep = drawn == draft
+        sampled = torch.tensor([r for r, s in enumerate(row_seqs) if not s.params.greedy], dtype=torch.long)
+        if sampled.numel():
+            picked = [row_seqs[r] for r in sampled.tolist()]
+            accept_u = self._uniforms(picked, x.device, [offsets[r] for r in sampled.tolist()], _ACCEPT_SALT)
+            draw_u = self._uniforms(picked, x.device, [offsets[r] for r in sampled.tolist()])
+            rows = sampled.to(x.device)
+            for group in candidates(x[rows], _rules(picked, x), self.nucleus_candidates):
+                kept, tokens = verify_group(group, draft[rows[group.rows]], accept_u[group.rows], draw_u[group.rows])
+                keep[rows[group.rows]] = kept
+                drawn[rows[group.rows]] = tokens
+        return keep.tolist(), drawn.tolist()
+
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """A token for every row (greedy rows are overwritten by the caller), drawn by inverse CDF
         from one uniform per row."""
@@ -79,16 +128,18 @@ class Sampler:
             tokens[group.rows] = group.draw(uniforms[group.rows])
         return tokens
 
-    def _uniforms(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+    def _uniforms(self, seqs: list[Sequence], device: torch.device, offsets: list[int] | None = None,
+                  salt: int = 0) -> torch.Tensor:
         """Unseeded rows draw from the sampler's generator (seeded by the engine seed); a seeded
         row's draw is a function of (seed + sample index, output position) only, so sample i of
         seed s draws what a single-sample request seeded s + i draws, however it is batched or
-        wherever it is resumed."""
+        wherever it is resumed. `offsets`: a draft row's position past the sequence's output;
+        `salt`: another stream of the same keys."""
         uniforms = generator_uniforms(len(seqs), self.generator, device)
         seeded = [i for i, s in enumerate(seqs) if s.params.seed is not None]
         if seeded:
-            keys = [seqs[i].params.seed + seqs[i].index for i in seeded]  # type: ignore[operator]
-            positions = [seqs[i].num_output_tokens for i in seeded]
+            keys = [(seqs[i].params.seed + seqs[i].index) ^ salt for i in seeded]  # type: ignore[operator]
+            positions = [seqs[i].num_output_tokens + (offsets[i] if offsets else 0) for i in seeded]
             uniforms[torch.tensor(seeded, device=device)] = counter_uniforms(keys, positions, device)
         return uniforms
 

@@ -29,11 +29,13 @@ from streamer.preemption import priority_victims
 from streamer.request import Request, SeqStatus, Sequence
 from streamer.scheduler_output import EngineCoreOutputs, ScheduledSeq, SchedulerOutput, SeqUpdate
 from streamer.scheduler_stats import SchedulerStats
+from streamer.spec_decode.rejection_sampler import can_verify
 from streamer.stop_checker import finish_reason_after
 from streamer.waiting_queue import AttainedService, WaitingQueue
 
 if TYPE_CHECKING:
     from streamer.sampler import SamplerOutput
+    from streamer.spec_decode.ngram_proposer import NgramProposer
 
 
 @dataclass
@@ -49,11 +51,14 @@ class SchedulerConfig:
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     max_sessions: int = 4096  # sessions whose attained service is remembered (least recently served dropped)
     max_wait_rank_s: float | None = 30.0  # after this long waiting, a heavy session's call ranks as a fresh one
+    num_speculative_tokens: int = 0  # drafts per decoding sequence and step, when a proposer is given
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic,
+                 proposer: NgramProposer | None = None) -> None:
         self.config = config
+        self.proposer = proposer
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.beams = Beams(config.eos_token_ids)
         self.service = AttainedService(config.max_sessions, unit=config.block_size)
@@ -146,17 +151,37 @@ class Scheduler:
             if num_new == 0 or not self._mask_ready(seq):  # a beam waiting for its siblings, or for its token mask
                 i += 1
                 continue
-            while not self.block_manager.allocate(seq, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                out.scheduled.append(ScheduledSeq(seq, num_new))
-                budget -= num_new
-                i += 1
+            drafts = self._drafts(seq, num_new, budget)
+            if drafts and not self.block_manager.allocate(seq, num_new + len(drafts)):
+                drafts = []  # short of blocks: decode without guessing before preempting anyone
+            if not drafts and not self._make_room(seq, num_new, out):
+                continue  # `seq` itself was preempted: `running[i]` is the next one
+            out.scheduled.append(ScheduledSeq(seq, num_new + len(drafts), spec_token_ids=drafts))
+            budget -= num_new + len(drafts)
+            i += 1
         return budget
+
+    def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
+        """Allocate `seq`'s new tokens, preempting the most recently admitted sequences while blocks
+        are short; False when `seq` itself had to go."""
+        while not self.block_manager.allocate(seq, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _drafts(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
+        """Guessed next tokens of a decoding sequence, as many as the budget, the model's length and
+        the request's max_tokens leave room for (a draft past the end would be thrown away)."""
+        if self.proposer is None or num_new != 1 or seq.num_computed_tokens < seq.num_prompt_tokens \
+                or seq.seq_id in self._forks or not can_verify(seq):
+            return []
+        max_tokens = seq.params.max_tokens
+        room = min(self.config.num_speculative_tokens, budget - 1, self.config.max_model_len - seq.num_tokens,
+                   max_tokens - seq.num_output_tokens - 1 if max_tokens is not None else budget)
+        return self.proposer.propose(seq.token_ids, room)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
@@ -232,8 +257,11 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, model_output: tuple[list[Sequence], SamplerOutput | None]
                            ) -> EngineCoreOutputs:
         """Advance the step's sequences by what the model computed and sampled."""
+        drafted: dict[int, int] = {}
         for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
+            item.seq.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids)  # drafts: if kept
+            if item.spec_token_ids:
+                drafted[item.seq.seq_id] = len(item.spec_token_ids)
             self.service.add(item.seq.session, item.num_new_tokens)
             self.block_manager.cache_full_blocks(item.seq)
             for child in item.forks:  # parallel samples start from the computed prompt's blocks
@@ -247,6 +275,9 @@ class Scheduler:
             if seq.params.use_beam_search:
                 self.beams.record(seq, result.beam_logprobs[i])
                 beam_requests[seq.request_id] = self.requests[seq.request_id]
+            elif seq.seq_id in drafted:
+                core.updates += self._append_drafted(seq, result.accepted[i], result.token_ids[i])  # type: ignore[index]
+                self.counters.record_drafts(drafted[seq.seq_id], len(result.accepted[i]))  # type: ignore[index]
             else:
                 core.updates.append(self._append_token(seq, result.token_ids[i], result.logprobs[i]))
         for request in beam_requests.values():
@@ -258,6 +289,20 @@ class Scheduler:
         seq.num_computed_tokens = num_computed_tokens
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
+
+    def _append_drafted(self, seq: Sequence, accepted: list[int], token: int) -> list[SeqUpdate]:
+        """The kept drafts (their K/V already computed by the verification), then the token after
+        them, each through the token rules of stopping: the first that ends the sequence ends it."""
+        updates = []
+        for t in accepted:
+            updates.append(self._append_token(seq, t, None))
+            if seq.is_finished:
+                return updates
+            seq.num_computed_tokens += 1
+        if accepted:
+            self.block_manager.cache_full_blocks(seq)
+        updates.append(self._append_token(seq, token, None))
+        return updates
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> SeqUpdate:
         seq.token_ids.append(token)

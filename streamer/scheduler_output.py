@@ -14,6 +14,9 @@ class ScheduledSeq:
     num_new_tokens: int
     block_ids: list[int] = field(default_factory=list)  # the sequence's block table, from the block manager
     forks: list[Sequence] = field(default_factory=list)  # siblings that sample from this row
+    # Guessed next tokens (speculative decoding), computed after the sequence's own: counted in
+    # `num_new_tokens`, each row verified, kept only as far as the verification accepts them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_new_prompt_tokens(self) -> int:
@@ -24,7 +27,7 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the sequence, so a token is sampled after it."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == self.seq.num_tokens
 
 
 @dataclass

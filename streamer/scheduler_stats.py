@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from streamer.scheduler_output import ScheduledSeq
 
@@ -21,6 +21,12 @@ class SchedulerStats:
     num_priority_preemptions: int = 0  # of those, made for a more urgent waiting sequence
     prefix_cache_hit_tokens: int = 0
     prefix_cache_query_tokens: int = 0
+    # Speculative decoding (vLLM's spec_decode counters): sequences that verified drafts, drafts
+    # verified, drafts kept, and drafts kept by their position in the guess.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     def record_step(self, scheduled: list[ScheduledSeq]) -> None:
         """Count a step that is about to run (before its sequences' computed tokens advance)."""
@@ -32,5 +38,14 @@ class SchedulerStats:
         self.num_partial_prefills += sum(1 for s in prefill if not s.samples)
         self.prompt_tokens_computed += sum(s.num_new_prompt_tokens for s in prefill)
 
-    def as_dict(self) -> dict[str, int]:
+    def record_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        self.spec_decode_num_drafts += 1
+        self.spec_decode_num_draft_tokens += num_drafts
+        self.spec_decode_num_accepted_tokens += num_accepted
+        per_pos = self.spec_decode_num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_drafts - len(per_pos)))
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
+
+    def as_dict(self) -> dict[str, int | list[int]]:
         return asdict(self)

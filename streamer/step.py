@@ -28,7 +28,8 @@ class FlatStep:
 
     header: list[int]
     payload: list[int]
-    sample_seqs: list[Sequence]  # rank 0 only: who samples from each sample row
+    sample_seqs: list[Sequence]  # rank 0 only: who samples from each sample row (a drafting sequence: its first)
+    drafts: list[list[int]]  # rank 0 only: per sample_seqs entry, its drafts, whose rows follow its first
 
 
 @dataclass
@@ -58,10 +59,25 @@ def sample_rows_meta(meta: AttentionMetadata, rows: torch.Tensor) -> AttentionMe
     )
 
 
+def _rows(item: ScheduledSeq) -> list[tuple[list[int], int]]:
+    """(token ids, first position) of each attention row of a scheduled chunk. A chunk with drafts
+    is one decode row per token, each over the context up to itself: the verification of k drafts
+    runs as k + 1 decodes sharing a block table, on the decode kernels."""
+    seq, start = item.seq, item.seq.num_computed_tokens
+    if not item.spec_token_ids:
+        return [(seq.token_ids[start:start + item.num_new_tokens], start)]
+    tokens = seq.token_ids[start:] + item.spec_token_ids
+    return [([token], start + j) for j, token in enumerate(tokens)]
+
+
+def _is_decode(item: ScheduledSeq) -> bool:
+    return item.num_new_tokens - len(item.spec_token_ids) == 1
+
+
 def flatten_step(scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]] | None,
                  block_size: int) -> FlatStep:
     """Flatten the step: decodes first, then prefill chunks, tokens concatenated, no padding."""
-    batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
+    batch = sorted(scheduled, key=lambda s: not _is_decode(s))
     bs = block_size
     input_ids: list[int] = []
     positions: list[int] = []
@@ -71,22 +87,30 @@ def flatten_step(scheduled: list[ScheduledSeq], block_copies: list[tuple[int, in
     tables: list[list[int]] = []
     sample_rows: list[int] = []
     sample_seqs: list[Sequence] = []
+    drafts: list[list[int]] = []
+    num_decodes = 0
     for item in batch:
-        seq, start = item.seq, item.seq.num_computed_tokens
-        end = start + item.num_new_tokens
-        input_ids.extend(seq.token_ids[start:end])
-        positions.extend(range(start, end))
         blocks = item.block_ids
-        slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-        starts.append(starts[-1] + item.num_new_tokens)
-        seq_lens.append(end)
-        tables.append(blocks)
-        if item.samples:
+        for ids, start in _rows(item):
+            end = start + len(ids)
+            input_ids.extend(ids)
+            positions.extend(range(start, end))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            starts.append(starts[-1] + len(ids))
+            seq_lens.append(end)
+            tables.append(blocks)
+            num_decodes += len(ids) == 1 and _is_decode(item)
+            if item.spec_token_ids:
+                sample_rows.append(starts[-1] - 1)
+        if item.spec_token_ids:
+            sample_seqs.append(item.seq)
+            drafts.append(item.spec_token_ids)
+        elif item.samples:
             # Forked siblings (parallel samples) draw their first token from the same row.
             for sampler_seq in (item.seq, *item.forks):
                 sample_rows.append(starts[-1] - 1)
                 sample_seqs.append(sampler_seq)
-    num_decodes = sum(1 for s in batch if s.num_new_tokens == 1)
+                drafts.append([])
     width = max((len(t) for t in tables), default=0)
     payload = input_ids  # extended in place: the ids are its first section
     payload += positions
@@ -100,10 +124,11 @@ def flatten_step(scheduled: list[ScheduledSeq], block_copies: list[tuple[int, in
     copies = block_copies or []
     for src, dst in copies:
         payload += (src, dst)
-    header = [starts[-1], len(batch), width, len(sample_rows), len(copies),
-              num_decodes, max((s.num_new_tokens for s in batch), default=0), max(seq_lens, default=0),
+    query_lens = [b - a for a, b in zip(starts, starts[1:])]
+    header = [starts[-1], len(seq_lens), width, len(sample_rows), len(copies),
+              num_decodes, max(query_lens, default=0), max(seq_lens, default=0),
               max(seq_lens[:num_decodes], default=0)]
-    return FlatStep(header, payload, sample_seqs)
+    return FlatStep(header, payload, sample_seqs, drafts)
 
 
 def payload_tensor(payload: list[int]) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import signal
 import sys
@@ -57,7 +58,19 @@ _HELP = {
     "grammar_compile_timeout_s": "structured outputs: seconds a spec may take to compile; past it the compile is "
                                  "stopped and the request refused (invalid_params)",
     "grammar_compile_workers": "structured outputs: compiles run at once, each in a process of its own",
+    "speculative_config": "speculative decoding, as JSON (vLLM's keys), e.g. '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4}' (docs/speculative_decoding.md)",
 }
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _flag_type(tp: Any) -> tuple[Any, bool]:
@@ -67,6 +80,8 @@ def _flag_type(tp: Any) -> tuple[Any, bool]:
         tp = args[0]
     if tp is bool:
         return None, True
+    if typing.get_origin(tp) is dict:
+        return _json_object, False
     return (tp if tp in (int, float) else str), False
 
 

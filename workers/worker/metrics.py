@@ -55,7 +55,12 @@ _ENGINE_COUNTERS = (  # prometheus_client adds `_total` to the exposed names
      "prefix_cache_query_tokens"),
     ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hit_tokens"),
     ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", "num_preemptions"),
+    ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_decode_num_drafts"),
+    ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_decode_num_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "spec_decode_num_accepted_tokens"),
 )
+_PER_POSITION = ("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                 "spec_decode_num_accepted_tokens_per_pos")
 
 
 def one_two_five(limit: int) -> list[int]:
@@ -93,6 +98,11 @@ class _EngineStats:
             counter = CounterMetricFamily(name, help_text, labels=LABELS)
             counter.add_metric(self.labels, float(stats.get(key, 0)))
             yield counter
+        name, help_text, key = _PER_POSITION
+        per_pos = CounterMetricFamily(name, help_text, labels=[*LABELS, "position"])
+        for position, count in enumerate(stats.get(key) or []):
+            per_pos.add_metric([*self.labels, str(position)], float(count))
+        yield per_pos
 
 
 class WorkerMetrics:
