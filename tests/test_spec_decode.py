@@ -265,3 +265,14 @@ async def test_a_worker_started_with_speculative_config_streams_the_same_tokens_
     assert value(samples, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
     assert sum(v for (n, _), v in samples.items()
                if n == "vllm:spec_decode_num_accepted_tokens_per_pos_total") == accepted
+
+
+def test_tensor_parallel_ranks_verify_the_drafts_rank_0_makes(llama_ckpt):
+    """The drafts travel in the flattened step like any token: two ranks (gloo processes) give the
+    tokens one device gives without drafts."""
+    prompts = looping_prompts(512)[-3:]
+    got, stats = generate(llama_ckpt, prompts, [greedy()] * 3, tensor_parallel_size=2, num_kv_blocks=64,
+                          speculative_config=NGRAM)
+    assert [o.outputs[0].token_ids for o in got] == \
+        hf_greedy(llama_ckpt, tuple(map(tuple, prompts)), (MAX,) * 3, ignore_eos=True)
+    assert_drafts_were_kept(stats)
