@@ -24,6 +24,7 @@ class Child:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)  # on top of ours (STREAMER_* pass through)
     proc: subprocess.Popen | None = None
+    asked: bool = False  # SIGTERM sent
 
     def start(self) -> Child:
         cmd = [sys.executable, "-m", "workers.cli", *self.argv]
@@ -34,11 +35,18 @@ class Child:
     def exited(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
+    def ask_to_stop(self) -> None:
+        """SIGTERM, once: the child starts stopping (the worker finishes in-flight work within its grace
+        period) while the caller asks the others too."""
+        if self.proc is not None and self.proc.poll() is None and not self.asked:
+            self.proc.send_signal(signal.SIGTERM)
+            self.asked = True
+
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
-        """SIGTERM (the worker finishes in-flight work within its grace period), then SIGKILL."""
+        """SIGTERM unless sent already, then SIGKILL if it has not exited within `timeout`."""
         if self.proc is None or self.proc.poll() is not None:
             return
-        self.proc.send_signal(signal.SIGTERM)
+        self.ask_to_stop()
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -3,8 +3,9 @@
 Phases, each timed: Redis (a private redis-server on a free port, unless --redis URL), the model
 (the built-in SmolLM2 is converted on first run), one worker on the best device (it picks it), and the
 gateway, started while the worker loads the model.
-Then it prints the chat page URL and waits. Ctrl-C (or SIGTERM/SIGHUP) stops the gateway, then
-the worker, then Redis, and exits.
+Then it prints the chat page URL and waits. Ctrl-C (or SIGTERM/SIGHUP) stops the gateway and the
+worker (the gateway ends its open streams at once: a final SSE event, a close frame), then Redis,
+and exits.
 
 Worker and gateway are child processes started in their own sessions: the terminal's Ctrl-C
 reaches only this process, which stops them in order (the gateway before the Redis it talks to);
@@ -189,10 +190,11 @@ def _start_all(args: argparse.Namespace, local_host: str, port: int, phases: Pha
         model = str(resolve_model(args.model, progress=lambda m: print("      " + m.strip(), flush=True)))
 
     # The Redis URL goes by environment, not argv: a password in it stays out of `ps`.
-    # On Ctrl-C the gateway is already gone when the worker stops: nobody reads the rest of
-    # its answers, so it need not wait long for them (unless STREAMER_GRACE says otherwise).
-    child_env = {"STREAMER_REDIS": redis_url,
-                 "STREAMER_GRACE": os.environ.get("STREAMER_GRACE") or str(WORKER_GRACE_S)}
+    # On Ctrl-C the gateway is already gone when the worker stops: nobody reads the rest of its
+    # answers now, so it need not wait long for them (unless STREAMER_GRACE says otherwise); with a
+    # private Redis, removed right after, nobody ever will: it stops at once.
+    grace = 0.0 if started.redis_server is not None else WORKER_GRACE_S
+    child_env = {"STREAMER_REDIS": redis_url, "STREAMER_GRACE": os.environ.get("STREAMER_GRACE") or str(grace)}
     with phases.phase("worker", "Worker: loading the model" + (f" on {args.device}" if args.device else "")):
         # With a shared Redis other workers may be there already: wait for a new heartbeat.
         before = worker_names(redis_url, args.prefix)
@@ -261,10 +263,13 @@ def _wait_for_exit(children: list[Child]) -> int:
 
 
 def _shutdown(children: list[Child], redis_server: RedisServer | None) -> None:
-    """Gateway first (no new jobs), then the worker, then Redis; a second Ctrl-C kills at once."""
+    """Gateway and worker together (one after the other, their exits would add up), then Redis they
+    both talk to; a second Ctrl-C kills at once."""
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     try:
+        for child in reversed(children):  # the gateway first: it takes no new job from then on
+            child.ask_to_stop()
         for child in reversed(children):
             child.stop()
     except KeyboardInterrupt:

@@ -29,6 +29,7 @@ class Gateway(Protocol):
     started_wall: float
     http_streams: dict[str, int]  # request id -> HTTP streams relaying it now
     draining: asyncio.Event  # set when the gateway starts shutting down
+    sse_streams: set[JobStream]  # the streams relayed as SSE now, ended at once on shutdown
     workers_max_model_len: int  # the longest context a live worker announces (0: none has)
 
     def prompt_limit(self) -> int: ...
@@ -40,6 +41,10 @@ class Gateway(Protocol):
     def cancel_later(self, request_id: str, since_ms: float) -> None:
         """Its client went away: cancel it after the grace period unless someone resumes it."""
         ...
+
+
+# What events() ends with when the gateway shuts down while the stream is open (end_now).
+SHUTDOWN: dict[str, Any] = {"type": "shutdown"}
 
 
 class JobStream:
@@ -66,10 +71,18 @@ class JobStream:
             if catch_up:
                 await self.gw.hub.relay.fill(self.watches[rid])
 
+    def end_now(self) -> None:
+        """The gateway shuts down: events() ends with SHUTDOWN after the events already here, so the
+        client hears why at once instead of its connection being cut when the server gives up."""
+        self.queue.put_nowait((-1, SHUTDOWN))
+
     async def events(self) -> AsyncIterator[tuple[int, dict[str, Any]]]:
         remaining = len(self.meta.jobs)
         while remaining:
             job, event = await self.queue.get()
+            if event is SHUTDOWN:
+                yield job, event
+                return
             if event.get("type") != "token":
                 remaining -= 1
             yield job, event

@@ -232,11 +232,15 @@ class OpenAIRoutes:
         async def body() -> AsyncIterator[str]:
             open_streams = self.gw.metrics.open_connections("sse")
             open_streams.inc()
+            self.gw.sse_streams.add(stream)
+            if self.gw.draining.is_set():  # shutting down already: the stream ends as it starts
+                stream.end_now()
             try:
                 async for text in sse_events(stream.relayed(), Assembler(meta), meta, after, fresh, resumable):
                     yield text
             finally:  # finished, or the client went away (Starlette cancels the body on disconnect)
                 open_streams.dec()
+                self.gw.sse_streams.discard(stream)
                 stream.close(cancel=True)
 
         headers = {"X-Request-Id": meta.request_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

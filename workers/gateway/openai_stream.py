@@ -19,12 +19,16 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from workers.gateway.openai_jobs import SHUTDOWN
 from workers.gateway.openai_request import bad
 from workers.gateway.openai_response import Assembler, StreamMeta
 
 _WHOLE = 1 << 30  # "every chunk of this event"
 # One encoder for every chunk: json.dumps with options builds a new one per call.
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+_SHUTTING_DOWN = {"error": {"message": "the gateway is shutting down: the answer goes on; resume it (Last-Event-ID, or "
+                                      "GET /v1/streams/ID) through a gateway that is up",
+                            "type": "server_error", "param": None, "code": "shutting_down"}}
 
 
 @dataclass(frozen=True, order=True)
@@ -72,12 +76,17 @@ def _framed(request_id: str | None, seq: int, chunks: list[dict[str, Any]], afte
 
 async def sse_events(events: AsyncIterator[tuple[int, dict[str, Any]]], assembler: Assembler, meta: StreamMeta,
                      after: Position, fresh: bool, resumable: bool) -> AsyncIterator[str]:
-    """SSE text for the chunks after `after`, then `data: [DONE]`; `id:` lines only if `resumable`."""
+    """SSE text for the chunks after `after`, then `data: [DONE]`; `id:` lines only if `resumable`. A
+    gateway shutting down ends it with an error event and no `[DONE]`: the answer is not over, and a
+    client resumes it elsewhere from its last id."""
     if fresh and resumable:
         yield ": streamer\n\n"  # the response starts at once, before the first token (a comment line)
     for text in _framed(meta.request_id if resumable else None, -1, assembler.start_chunks(), after):
         yield text
     async for job, event in events:
+        if event is SHUTDOWN:
+            yield f"data: {_ENCODER.encode(_SHUTTING_DOWN)}\n\n"
+            return
         seq = int(event.get("seq", 0))
         sse_rid = None if not resumable else meta.jobs[job] if len(meta.jobs) > 1 else meta.request_id
         for text in _framed(sse_rid, seq, assembler.on_event(job, event), after):

@@ -37,6 +37,7 @@ from workers.gateway.config import GatewayConfig
 from workers.gateway.http_protocol import with_header_deadline
 from workers.gateway.hub import Hub
 from workers.gateway.metrics import Metrics
+from workers.gateway.openai_jobs import JobStream
 from workers.gateway.openai_routes import OpenAIRoutes
 from workers.gateway.routes import WS_PATH, Routes, request_token
 from workers.gateway.session import Session
@@ -82,6 +83,7 @@ class Gateway:
         # Requests streaming to HTTP clients now (request id -> count), for the grace cancel's check.
         self.http_streams: dict[str, int] = {}
         self.draining = asyncio.Event()  # whole (non-streamed) HTTP answers end with 503 when set
+        self.sse_streams: set[JobStream] = set()  # SSE answers now: each told at once on shutdown
         self.openai = OpenAIRoutes(self)
         self.app = Starlette(routes=[*self.routes.routes(self._handle), *self.openai.routes(),
                                      Route("/{path:path}", self.routes.static, methods=["GET", "HEAD"])])
@@ -137,6 +139,8 @@ class Gateway:
         # going away to every socket (uvicorn's own shutdown would say 1012).
         for listener in getattr(self.server, "servers", []):
             listener.close()
+        for stream in list(self.sse_streams):  # each ends with a `shutting_down` event, then closes
+            stream.end_now()
         await asyncio.gather(*(s.close(1001, "gateway shutting down") for s in list(self.sessions)),
                              return_exceptions=True)
         if self.server is not None and self._serve_task is not None:
