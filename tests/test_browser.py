@@ -70,11 +70,12 @@ async def ask(page: Page, prompt: str) -> None:
 
 
 async def last_answer(page: Page) -> tuple[str, str, str]:
-    """(request id, state, text) of the newest assistant message."""
+    """(request id, state, text) of the newest assistant message: the text as the model wrote it (the
+    page shows it rendered as Markdown)."""
     return await page.evaluate("""() => {
         const all = document.querySelectorAll('.msg.assistant');
         const el = all[all.length - 1];
-        return [el.dataset.id, el.dataset.state, el.querySelector('.text').textContent];
+        return [el.dataset.id, el.dataset.state, el.dataset.answer];
     }""")
 
 

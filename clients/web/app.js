@@ -2,6 +2,7 @@
 // token and tokens/s live, stops on demand, and resumes an unfinished answer after a reload (the
 // conversation and the id of the answer in progress are kept in localStorage).
 
+import { renderMarkdown } from "./markdown.js";
 import { StreamerClient, StreamerError } from "./streamer-client.js";
 
 const STORE = "streamer.chat.v1";
@@ -15,7 +16,7 @@ const NUMBER_PARAMS = { max_tokens: parseInt, temperature: parseFloat, top_p: pa
 
 // --- state ----------------------------------------------------------------------------------------
 
-let chat = load(); // { history: [{ role, content, meta? }], active: { id, started } | null }
+let chat = load(); // { history: [{ role, content, meta?, empty? }], active: { id, started } | null }
 let client = null;
 let clientToken = null;
 let current = null; // the answer streaming now: { stream, el, text, ... }
@@ -81,18 +82,31 @@ async function pollWorkers() {
 
 // --- rendering ------------------------------------------------------------------------------------
 
-function addMessage(role, content, meta) {
+function addMessage(role, content, meta, empty = false) {
   ui.empty.hidden = true;
   const el = document.createElement("div");
   el.className = `msg ${role}`;
-  const text = document.createElement("span");
+  const text = document.createElement("div");
   text.className = "text";
-  text.textContent = content;
   el.append(text);
+  showText(el, content, empty);
   if (meta) setMeta(el, meta);
   ui.log.append(el);
   ui.log.scrollTop = ui.log.scrollHeight;
   return el;
+}
+
+// The user's words as typed; the model's answer as Markdown (markdown.js: never as HTML). An answer
+// that finished without any text says so instead of showing an empty bubble.
+const EMPTY_ANSWER = "(empty answer: the model ended it before writing any text)";
+
+function showText(el, content, empty = false) {
+  const text = el.querySelector(".text");
+  el.dataset.answer = content; // the Markdown source, as the model wrote it
+  el.classList.toggle("empty-answer", empty);
+  if (empty) text.textContent = EMPTY_ANSWER;
+  else if (el.classList.contains("assistant")) renderMarkdown(text, content);
+  else text.textContent = content;
 }
 
 function setMeta(el, meta) {
@@ -142,7 +156,7 @@ function paint(a) {
   a.painting = true;
   requestAnimationFrame(() => {
     a.painting = false;
-    a.textEl.textContent = a.text;
+    showText(a.el, a.text);
     showStats(a);
     const nearBottom = ui.log.scrollHeight - ui.log.scrollTop - ui.log.clientHeight < 80;
     if (nearBottom) ui.log.scrollTop = ui.log.scrollHeight;
@@ -168,8 +182,9 @@ function params() {
 }
 
 // The conversation sent with a message must fit the model's context (max_model_len, from the workers'
-// heartbeats via /readyz). Tokens are estimated from characters, at a ratio learned from the worker's
-// own count whenever it refuses a prompt as too long; the oldest turns are left out first.
+// heartbeats via /readyz). Tokens are estimated from characters, at the ratio the worker's own count
+// gave for the last prompt (its usage, or its refusal of one too long): a guess that stays too high
+// would leave out messages that fit, on every message after a long one. The oldest turns go first.
 let maxModelLen = 0;
 let tokensPerChar = 0.5;
 const estimate = (m) => Math.ceil(m.content.length * tokensPerChar) + 4;
@@ -199,17 +214,37 @@ function buildRequest(promptText) {
   return { request: { messages, params: p }, dropped };
 }
 
-// A prompt the worker found too long: learn how many tokens a character is, for the next estimate.
+// How many tokens a character is, from the worker's count of a prompt of `sentChars` characters.
+function learnRatio(promptTokens, sentChars) {
+  if (promptTokens > 0 && sentChars > 0) tokensPerChar = Math.min(2, Math.max(0.05, promptTokens / sentChars));
+}
+
+// A prompt the worker found too long: its count, and the context, for the next estimate.
 function learnFromRefusal(message, sentChars) {
   const m = /prompt has (\d+) tokens but the model allows at most (\d+)/.exec(message || "");
-  if (!m || !sentChars) return;
-  tokensPerChar = Math.max(tokensPerChar, Number(m[1]) / sentChars);
+  if (!m) return;
+  learnRatio(Number(m[1]), sentChars);
   maxModelLen = maxModelLen || Number(m[2]) + 1;
 }
 
-async function follow(stream, el, sentAt, sentChars = 0, note = "") {
-  const a = { stream, el, textEl: el.querySelector(".text"), text: "", tokens: 0, live: 0, ttft: null, firstAt: 0,
-    lastAt: 0, painting: false, sentChars, refused: false, progress: null };
+// Until the first token, the message says where it is and for how long it has waited (a long prompt
+// can take a minute on a CPU): queued, its prompt's progress (tokens computed / total), or waiting.
+function describeWait(a) {
+  if (a.progress) return describeProgress(a.progress);
+  if (workersAlive === 0) return `${NO_WORKER}; this message waits in the queue`;
+  return Date.now() - a.since >= 2000 ? "waiting for a worker…" : "";
+}
+
+function showWait(a) {
+  if (a.tokens) return;
+  const wait = describeWait(a);
+  if (wait) setMeta(a.el, `${wait} · ${Math.floor((Date.now() - a.since) / 1000)} s`);
+  keepInView(a.el);
+}
+
+async function follow(stream, el, sentAt, sentChars = 0, note = "", since = Date.now()) {
+  const a = { stream, el, text: "", tokens: 0, live: 0, ttft: null, firstAt: 0,
+    lastAt: 0, painting: false, sentChars, refused: false, progress: null, since, empty: false };
   current = a;
   el.dataset.state = "streaming";
   el.dataset.id = stream.id;
@@ -218,14 +253,12 @@ async function follow(stream, el, sentAt, sentChars = 0, note = "") {
   showStats(a);
   let meta = "";
   // Until the first token: where the request is (queued at place N, its prompt N% computed), or,
-  // without word from the gateway, that it is waiting.
+  // without word from the gateway, that it is waiting; with the time waited, every second.
   stream.onProgress = (frame) => {
-    if (a.tokens) return;
     a.progress = frame;
-    setMeta(el, describeProgress(frame));
-    keepInView(el);
+    showWait(a);
   };
-  const waiting = setTimeout(() => a.tokens || el.querySelector(".meta") || setMeta(el, "waiting for a worker…"), 2000);
+  const waiting = setInterval(() => showWait(a), 1000);
   try {
     for await (const event of stream) {
       const now = performance.now();
@@ -245,9 +278,12 @@ async function follow(stream, el, sentAt, sentChars = 0, note = "") {
         paint(a);
       } else if (event.type === "done") {
         const reason = event.finish_reason || "done";
+        el.dataset.answer = a.text; // whole before the state says so
         el.dataset.state = reason === "abort" ? "stopped" : "done";
         meta = reason === "abort" ? "stopped" : `finish: ${reason}`;
         if (event.usage) meta += ` · ${event.usage.prompt_tokens} prompt + ${event.usage.completion_tokens} completion tokens`;
+        if (event.usage) learnRatio(event.usage.prompt_tokens, a.sentChars);
+        a.empty = reason !== "abort" && !a.text;
       }
     }
   } catch (err) {
@@ -259,10 +295,10 @@ async function follow(stream, el, sentAt, sentChars = 0, note = "") {
       meta += " · this message is left out of the conversation from now on: shorten it, or start a New chat";
     }
   }
-  clearTimeout(waiting);
+  clearInterval(waiting);
   el.dataset.replayed = String(a.tokens - a.live); // tokens replayed after a resume, not in tokens/s
   if (note) meta = meta ? `${note} · ${meta}` : note;
-  a.textEl.textContent = a.text;
+  showText(el, a.text, a.empty);
   showStats(a);
   ui.finish.textContent = meta;
   setMeta(el, meta);
@@ -275,7 +311,8 @@ async function follow(stream, el, sentAt, sentChars = 0, note = "") {
     const asked = chat.history[chat.history.length - 1];
     if (asked && asked.role === "user") asked.refused = true;
   }
-  chat.history.push({ role: "assistant", content: a.text, meta, refused: a.refused || undefined });
+  chat.history.push({ role: "assistant", content: a.text, meta, refused: a.refused || undefined,
+    empty: a.empty || undefined });
   save();
 }
 
@@ -359,10 +396,10 @@ ui.token.addEventListener("change", () => {
 
 // Restore the conversation; an answer that was streaming when the page went away is resumed from the
 // start of its events (the gateway replays them from Redis, then continues live).
-for (const m of chat.history) addMessage(m.role, m.content, m.meta);
+for (const m of chat.history) addMessage(m.role, m.content, m.meta, m.empty);
 if (chat.active) {
   const el = addMessage("assistant", "");
-  follow(getClient().resume(chat.active.id, -1), el, null);
+  follow(getClient().resume(chat.active.id, -1), el, null, 0, "", chat.active.started);
 }
 getClient();
 pollWorkers();
