@@ -74,13 +74,14 @@ def cast_rtne(x, dtype: tl.constexpr):
 
 @triton.jit
 def paged_attention_step(q, m, denom, acc, kc_ptr, vc_ptr, bt_row_ptr, pos, pmask, allowed, kvh, d, dmask,
-                         c_stride_b, c_stride_s, c_stride_h, block_size, scale_log2,
-                         DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+                         c_stride_b, c_stride_s, c_stride_h, block_size, scale_log2, softcap,
+                         DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """One online-softmax step of paged attention over cache positions `pos` (`pmask`: in range).
 
     `q` [M, D] holds query rows that all read KV head `kvh`; `allowed` [M, N] is the attention
-    mask. Returns the updated running max `m` and `denom` (base 2) and accumulator `acc`. Rows
-    must have seen at least one allowed position by their first step, or they turn NaN.
+    mask. Returns the updated running max `m` and `denom` (base 2) and accumulator `acc`. A row
+    with no allowed position yet (a sliding window's first steps) keeps a max of -inf and adds
+    nothing. With SOFTCAP, each natural-units score s becomes softcap * tanh(s / softcap).
     """
     blk = tl.load(bt_row_ptr + pos // block_size, mask=pmask, other=0).to(tl.int64)
     row = blk * c_stride_b + (pos % block_size) * c_stride_s + kvh * c_stride_h
@@ -88,10 +89,16 @@ def paged_attention_step(q, m, denom, acc, kc_ptr, vc_ptr, bt_row_ptr, pos, pmas
     k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
     v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    if SOFTCAP:
+        # tanh(x) = 1 - 2 / (e^(2x) + 1), spelled with exp2 (the interpreter has no tanh); the
+        # scores are in base 2 here: back to natural units, capped, and to base 2 again.
+        x = s / (softcap * 1.4426950408889634)
+        s = softcap * 1.4426950408889634 * (1.0 - 2.0 / (tl.exp2(x * 2.0 * 1.4426950408889634) + 1.0))
     s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no allowed key yet: weights 0, not NaN
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
     denom = denom * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
     return m_new, denom, acc

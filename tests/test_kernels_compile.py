@@ -82,6 +82,10 @@ def _launch_every_kernel() -> None:
             qsl = torch.tensor([0, 2, 4, 6], dtype=torch.int32)
             paged_prefill_attention(torch.empty(tokens, heads, head_size, dtype=dtype), kc, vc, tables, qsl, lens,
                                     0.1, 2)
+            if head_size == 128:  # Gemma's layers: sliding window and soft-capped scores
+                paged_decode_attention(q, kc, vc, tables, lens, 0.1, 60, num_splits=2, window=32, softcap=30.0)
+                paged_prefill_attention(torch.empty(tokens, heads, head_size, dtype=dtype), kc, vc, tables, qsl,
+                                        lens, 0.1, 2, window=32, softcap=30.0)
             kv = torch.empty(tokens, kv_heads, head_size, dtype=dtype)
             reshape_and_cache(kv, kv, kc, vc, torch.zeros(tokens, dtype=torch.long))
             rotary_embedding(torch.zeros(tokens, dtype=torch.long), torch.empty(tokens, heads * head_size, dtype=dtype),

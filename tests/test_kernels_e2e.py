@@ -33,13 +33,13 @@ def _spied_llm(ckpt: Path, backend: str, device: str, **kwargs: object) -> tuple
     forward, copy_blocks = be.forward, be.copy_blocks
     seen = {"decode": 0, "prefill": 0, "extend": 0, "copy_blocks": 0}
 
-    def counting_forward(query, key_cache, value_cache, meta, scale):  # noqa: ANN001, ANN202
+    def counting_forward(query, key_cache, value_cache, meta, scale, **options):  # noqa: ANN001, ANN003, ANN202
         seen["decode"] += meta.num_decodes
         q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1])[meta.num_decodes:]
         ctx = meta.seq_lens[meta.num_decodes:] - q_lens
         seen["prefill"] += int((ctx == 0).sum())
         seen["extend"] += int((ctx > 0).sum())
-        return forward(query, key_cache, value_cache, meta, scale)
+        return forward(query, key_cache, value_cache, meta, scale, **options)
 
     def counting_copy_blocks(key_caches, value_caches, mapping):  # noqa: ANN001, ANN202
         seen["copy_blocks"] += mapping.shape[0]

@@ -30,6 +30,7 @@ constexpr float kMasked = -1e30f;  // finite "minus infinity": the kernel is bui
 
 struct Shape {
   int64_t heads, kv_heads, group, D, Dp, block_size, max_blocks;  // Dp: D zero padded for the packing
+  int64_t window = 0;  // > 0: a row at position p attends to keys (p - window, p] only
   int64_t positions_per_task() const { return std::max<int64_t>(1, kTaskRows / group); }
   int64_t max_rows() const { return (positions_per_task() * group + kW - 1) / kW * kW; }
 };
@@ -211,15 +212,21 @@ struct Workspace {  // a thread's (~100 KiB at head size 64: L2-resident)
 // Online softmax over one tile's scores (keys x rows), a vector of rows at a time: the weights P
 // go to Pack::store_weights, the running sums and outputs are rescaled. Two passes: the max of
 // the raw scores, then P = e^(scale * s - max) two keys at a time (the bfloat16 packing stores
-// them as pairs). `causal`: some key of the tile lies past some row's position, and is masked.
+// them as pairs). `causal`: some key of the tile lies past some row's position, and is masked;
+// `window` > 0: keys at or before a row's position minus `window` are masked too. A row that has
+// seen only masked keys so far weighs them 1 against a max of kMasked; its first real key rescales
+// that to 0 (e^(kMasked - max)), and every row reaches its own position.
 template <typename Pack>
-void softmax_step(int64_t k0, int64_t n, int64_t Mp, int64_t Dp, bool causal, float scale, Rows& w,
+void softmax_step(int64_t k0, int64_t n, int64_t Mp, int64_t Dp, bool causal, int64_t window, float scale, Rows& w,
                   typename Pack::Buffers& b) {
   for (int64_t r0 = 0; r0 < Mp; r0 += kW) {
     const vfloat pos = vload(w.pos.data() + r0), old_max = vload(w.m.data() + r0);
+    const vfloat lowest = pos - static_cast<float>(window);  // keys at or below it fall outside the window
     auto score = [&](int64_t j) {
       const vfloat x = vload(w.st.data() + j * Mp + r0);
-      return causal ? (pos >= static_cast<float>(k0 + j) ? x : kMasked) : x;
+      const float key = static_cast<float>(k0 + j);
+      const vfloat y = causal ? (pos >= key ? x : kMasked) : x;
+      return window > 0 ? (lowest < key ? y : kMasked) : y;
     };
     auto vmax = [](vfloat a, vfloat b) { return a > b ? a : b; };
     // Four running maxima: one would wait out vmaxps's latency at every key (20% of the AMX
@@ -259,10 +266,18 @@ inline const scalar_t* cache_row(const scalar_t* cache, const int32_t* table, in
   return cache + (slot * sh.kv_heads + kv_head) * sh.D;
 }
 
+// The first key of the first tile a row at `min_pos` (or any later row) reads: 0 without a window.
+template <typename Pack>
+inline int64_t first_tile(int64_t min_pos, const Shape& sh) {
+  if (sh.window <= 0) return 0;
+  return std::max<int64_t>(0, min_pos - sh.window + 1) / Pack::kKeys * Pack::kKeys;
+}
+
 // Rows [0, M) (positions in rows.pos, filled by the caller; the smallest is `min_pos`) attend
 // to keys [0, keys): q_row(r) gives a head row, tile(k0, n) the packed K and V of keys
 // [k0, k0 + n) as a pair of pointers. Keys past a row's position are masked; tiles past every
-// row's position are the caller's to leave out (`keys`).
+// row's position are the caller's to leave out (`keys`). With a sliding window (sh.window) the
+// tiles wholly before the smallest row's window are never visited.
 template <typename Pack, typename QRow, typename TileFn>
 void attend_tiles(QRow q_row, int64_t M, TileFn tile, int64_t keys, int64_t min_pos, const Shape& sh, float scale,
                   Workspace<Pack>& w) {
@@ -274,11 +289,11 @@ void attend_tiles(QRow q_row, int64_t M, TileFn tile, int64_t keys, int64_t min_
   std::fill(rows.m.begin(), rows.m.begin() + Mp, kMasked);
   std::fill(rows.l.begin(), rows.l.begin() + Mp, 0.f);
   const float score_scale = Pack::kScaledScores ? scale : 1.f;
-  for (int64_t k0 = 0; k0 < keys; k0 += Pack::kKeys) {
+  for (int64_t k0 = first_tile<Pack>(min_pos, sh); k0 < keys; k0 += Pack::kKeys) {
     const int64_t n = std::min(Pack::kKeys, keys - k0);
     const auto [k, v] = tile(k0, n);
     Pack::scores(n, Mp, sh, k, w.buffers, rows.st.data());
-    softmax_step<Pack>(k0, n, Mp, Dp, k0 + n - 1 > min_pos, score_scale, rows, w.buffers);
+    softmax_step<Pack>(k0, n, Mp, Dp, k0 + n - 1 > min_pos, sh.window, score_scale, rows, w.buffers);
     Pack::weighted_values(n, Mp, sh, rows.st.data(), v, w.buffers, rows.o.data());
   }
 }

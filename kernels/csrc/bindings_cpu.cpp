@@ -3,12 +3,14 @@
 #include "cpu_ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", py::arg("query"),
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("window") = 0);
   m.def("decode_prefix_groups", &decode_prefix_groups, "sequences the decode kernel attends together (CPU)");
   m.def("paged_prefill_attention", &paged_prefill_attention, "paged prefill/extend attention (CPU)",
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("products") = "auto",
-        py::arg("out") = py::none());
+        py::arg("out") = py::none(), py::arg("window") = 0);
   m.def("prefill_products", &prefill_products, "the prefill products this CPU runs for a dtype");
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual add + RMSNorm, in place (CPU)");

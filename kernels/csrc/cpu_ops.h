@@ -5,9 +5,11 @@
 
 #include <optional>
 
-// kernels/paged_attention.py: paged_decode_attention_ref
+// kernels/paged_attention.py: paged_decode_attention_ref (`window` > 0: each sequence's last
+// `window` positions only, none before them read)
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                     int64_t window);
 // The groups of sequences whose decodes the kernel above attends together over their shared
 // leading blocks (decode_shared_prefix_cpu.h): (members, shared blocks) each
 std::vector<std::pair<std::vector<int64_t>, int64_t>> decode_prefix_groups(torch::Tensor block_tables,
@@ -15,11 +17,12 @@ std::vector<std::pair<std::vector<int64_t>, int64_t>> decode_prefix_groups(torch
 // kernels/paged_attention.py: paged_prefill_attention_ref (float32 and bfloat16). `products`:
 // what the tiles multiply on (amx_packing_cpu.h): "auto" (the fastest here), "float32"
 // (register tiles, any CPU), "bf16_dot" (vdpbf16ps, AVX-512 BF16), "amx" (tile matrix unit).
-// `query`'s token rows may be strided; written into `out` (dense, the query's shape) when given
+// `query`'s token rows may be strided; written into `out` (dense, the query's shape) when given.
+// `window` > 0: sliding-window attention (key tiles before every row's window are not read)
 torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                       torch::Tensor block_tables, torch::Tensor query_start_loc,
                                       torch::Tensor seq_lens, double scale, const std::string& products,
-                                      std::optional<torch::Tensor> out);
+                                      std::optional<torch::Tensor> out, int64_t window);
 // The `products` this CPU runs for a dtype, besides "auto"
 std::vector<std::string> prefill_products(torch::ScalarType dtype);
 // kernels/rms_norm.py: rms_norm_ref(x, weight, eps)

@@ -165,9 +165,13 @@ constexpr bool kDecodeDot = false;
 template <typename scalar_t>
 void decode_vec(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* block_tables,
                 const int32_t* seq_lens, scalar_t* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                int64_t head_size, int64_t block_size, int64_t max_blocks, float scale) {
-  const PrefixStates prefix = attend_shared_prefixes(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, num_heads,
-                                                     num_kv_heads, head_size, block_size, max_blocks, scale);
+                int64_t head_size, int64_t block_size, int64_t max_blocks, float scale, int64_t window) {
+  // A sliding window reads each sequence's last positions only: shared leading blocks, if any,
+  // lie mostly before the windows, so no sequences are grouped.
+  const PrefixStates prefix =
+      window > 0 ? PrefixStates{std::vector<int64_t>(num_seqs, 0), {}, {}, {}}
+                 : attend_shared_prefixes(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, num_heads,
+                                          num_kv_heads, head_size, block_size, max_blocks, scale);
   const int64_t group = num_heads / num_kv_heads, D = head_size, chunks = D / kW;
   const int64_t row_size = num_kv_heads * D;
   // bfloat16 scores on pairs where the CPU has AVX-512 BF16 and a head is whole 32-value vectors
@@ -195,7 +199,8 @@ void decode_vec(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
       const int32_t* table = block_tables + b * max_blocks;
       st.start(q + b * num_heads * D, scale);
       if (prefix.start[b] > 0) st.resume(prefix, b);
-      for (int64_t start = prefix.start[b]; start < len; start += kW) {
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : prefix.start[b];
+      for (int64_t start = first; start < len; start += kW) {
         const int64_t n = std::min<int64_t>(kW, len - start);
         for (int64_t j = 0; j < n; ++j) {
           const int64_t pos = start + j;
@@ -252,7 +257,8 @@ std::vector<std::pair<std::vector<int64_t>, int64_t>> decode_prefix_groups(torch
 }
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                     int64_t window) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [B,H,D], caches [N,BS,KVH,D]");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
               "block_tables and seq_lens must be int32");
@@ -272,7 +278,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
       if (vector_path) kernel = &decode_vec<scalar_t>;
     kernel(query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
                      block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), B, H,
-                     KVH, D, BS, block_tables.size(1), static_cast<float>(scale));
+                     KVH, D, BS, block_tables.size(1), static_cast<float>(scale), window);
   });
   return out;
 }

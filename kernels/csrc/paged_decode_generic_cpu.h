@@ -15,7 +15,7 @@ namespace paged_decode {
 template <typename scalar_t>
 void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* block_tables,
             const int32_t* seq_lens, scalar_t* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-            int64_t head_size, int64_t block_size, int64_t max_blocks, float scale) {
+            int64_t head_size, int64_t block_size, int64_t max_blocks, float scale, int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t D = head_size;
   const int64_t row_size = num_kv_heads * D;  // one position, all KV heads: contiguous
@@ -36,12 +36,15 @@ void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
       const int32_t* table = block_tables + b * max_blocks;
       st.start(q + b * num_heads * D, scale);
       const int64_t num_blocks = (len + block_size - 1) / block_size;
+      // A sliding window starts mid-block: that block is read from its first position in the window.
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       // Block by block with an online softmax: each block's K then V (contiguous, L2-resident)
       // are read once, in order, while the next block is prefetched.
-      for (int64_t blk = 0; blk < num_blocks; ++blk) {
-        const int64_t n = std::min(block_size, len - blk * block_size);
-        const scalar_t* kb = k_cache + static_cast<int64_t>(table[blk]) * block_elems;
-        const scalar_t* vb = v_cache + static_cast<int64_t>(table[blk]) * block_elems;
+      for (int64_t blk = first / block_size; blk < num_blocks; ++blk) {
+        const int64_t skip = blk == first / block_size ? first % block_size : 0;
+        const int64_t n = std::min(block_size, len - blk * block_size) - skip;
+        const scalar_t* kb = k_cache + static_cast<int64_t>(table[blk]) * block_elems + skip * row_size;
+        const scalar_t* vb = v_cache + static_cast<int64_t>(table[blk]) * block_elems + skip * row_size;
         if (blk + 1 < num_blocks) {
           const int64_t next = static_cast<int64_t>(table[blk + 1]) * block_elems;
           prefetch_block(k_cache + next, block_elems * sizeof(scalar_t));

@@ -52,7 +52,10 @@ class PackedKV {
         v_start_[b * sh.kv_heads + h] = v_size;
         k_size += Pack::k_offset(keys, sh);
         v_size += Pack::v_offset(keys, sh);
-        for (int64_t k0 = 0; k0 < seq_lens[b]; k0 += Pack::kKeys) tiles.push_back({b, h, k0});
+        // From the first tile any of its new tokens reads (a sliding window skips the rest).
+        const int64_t context = seq_lens[b] - (starts[b + 1] - starts[b]);
+        for (int64_t k0 = first_tile<Pack>(context, sh); k0 < seq_lens[b]; k0 += Pack::kKeys)
+          tiles.push_back({b, h, k0});
       }
     }
     k_ = buffer<typename Pack::KElem, 0>(k_size, own_k_);
@@ -214,7 +217,7 @@ std::vector<std::string> prefill_products(torch::ScalarType dtype) {
 torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                       torch::Tensor block_tables, torch::Tensor query_start_loc,
                                       torch::Tensor seq_lens, double scale, const std::string& products,
-                                      std::optional<torch::Tensor> out) {
+                                      std::optional<torch::Tensor> out, int64_t window) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [T,H,D], caches [N,BS,KVH,D]");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
                   query_start_loc.scalar_type() == torch::kInt32,
@@ -238,7 +241,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cac
     TORCH_CHECK(starts[b + 1] >= starts[b] && lens[b] >= starts[b + 1] - starts[b] &&
                     (lens[b] + key_cache.size(1) - 1) / key_cache.size(1) <= block_tables.size(1),
                 "sequence ", b, ": its new tokens exceed its length or its length its block table");
-  const Shape sh{H, KVH, H / KVH, D, 0, key_cache.size(1), block_tables.size(1)};
+  const Shape sh{H, KVH, H / KVH, D, 0, key_cache.size(1), block_tables.size(1), std::max<int64_t>(0, window)};
   const attention_rows::Products choice = attention_rows::parse_products(products);
   if (out) {
     TORCH_CHECK(out->is_contiguous() && out->sizes() == query.sizes() && out->scalar_type() == query.scalar_type(),

@@ -47,29 +47,30 @@ class AttentionBackend(ABC):
         """Store this step's `key`/`value` `[T, kv_heads, head_size]` at `meta.slot_mapping`."""
 
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """Attention of `query` `[T, heads, head_size]` over the cache (after `write_kv`):
-        decodes and prefills fill disjoint row ranges of one output."""
+        decodes and prefills fill disjoint row ranges of one output. `window` > 0: sliding-window
+        attention over that many keys; `softcap` > 0: capped scores (kernels/paged_attention.py)."""
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # dense: `query` may be a strided view
         nd = meta.num_decodes
         if nd:
             self.decode(query[:nd], key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                        meta.max_decode_seq_len, out[:nd])
+                        meta.max_decode_seq_len, out[:nd], window, softcap)
         if nd < meta.seq_lens.shape[0]:
             self.prefill(query[nd:], key_cache, value_cache, meta.block_tables[nd:], meta.query_start_loc[nd:],
-                         meta.seq_lens[nd:], scale, meta.max_query_len, out[nd:])
+                         meta.seq_lens[nd:], scale, meta.max_query_len, out[nd:], window, softcap)
         return out
 
     @abstractmethod
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
-               out: torch.Tensor) -> None:
+               out: torch.Tensor, window: int = 0, softcap: float = 0.0) -> None:
         """One query token per sequence (kernels/paged_attention.py: paged_decode_attention_ref)."""
 
     @abstractmethod
     def prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                max_query_len: int, out: torch.Tensor) -> None:
+                max_query_len: int, out: torch.Tensor, window: int = 0, softcap: float = 0.0) -> None:
         """New tokens over cached context (kernels/paged_attention.py: paged_prefill_attention_ref);
         `query_start_loc` may be a slice of the batch's offsets (rows relative to its first)."""
 

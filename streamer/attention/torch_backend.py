@@ -21,15 +21,15 @@ class TorchBackend(AttentionBackend):
 
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
-               out: torch.Tensor) -> None:
+               out: torch.Tensor, window: int = 0, softcap: float = 0.0) -> None:
         out.copy_(paged_decode_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                             max_seq_len))
+                                             max_seq_len, window, softcap))
 
     def prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                max_query_len: int, out: torch.Tensor) -> None:
+                max_query_len: int, out: torch.Tensor, window: int = 0, softcap: float = 0.0) -> None:
         out.copy_(paged_prefill_attention_ref(query, key_cache, value_cache, block_tables, query_start_loc,
-                                              seq_lens, scale))
+                                              seq_lens, scale, window, softcap))
 
     def copy_blocks(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
                     block_mapping: torch.Tensor) -> None:

@@ -33,14 +33,15 @@ class TritonBackend(AttentionBackend):
     # (the lengths the grids need come from the metadata's Python ints).
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
-               out: torch.Tensor) -> None:
-        paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, out=out)
+               out: torch.Tensor, window: int = 0, softcap: float = 0.0) -> None:
+        paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, out=out,
+                               window=window, softcap=softcap)
 
     def prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                max_query_len: int, out: torch.Tensor) -> None:
+                max_query_len: int, out: torch.Tensor, window: int = 0, softcap: float = 0.0) -> None:
         paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
-                                max_query_len, out=out)
+                                max_query_len, out=out, window=window, softcap=softcap)
 
     def copy_blocks(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
                     block_mapping: torch.Tensor) -> None:

@@ -10,10 +10,12 @@ from streamer.attention.backend import AttentionBackend, AttentionMetadata, Rows
 
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, window: int = 0, softcap: float = 0.0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = scale
+        self.window = window  # > 0: this layer attends to its last `window` keys (sliding window)
+        self.softcap = softcap  # > 0: scores capped by softcap * tanh(score / softcap)
         self.backend = backend
         # Bound by the model runner once the cache is allocated.
         self.key_cache = torch.empty(0)
@@ -30,5 +32,5 @@ class PagedAttention(nn.Module):
             q, meta = q[rows.index], rows.meta
         n = q.shape[0]
         out = self.backend.forward(q.view(n, self.num_heads, self.head_size), self.key_cache,
-                                   self.value_cache, meta, self.scale)
+                                   self.value_cache, meta, self.scale, window=self.window, softcap=self.softcap)
         return out.reshape(n, self.num_heads * self.head_size)
