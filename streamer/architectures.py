@@ -7,6 +7,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
 
 # What users call the models of each family, for error messages and docs.
@@ -15,6 +16,7 @@ FAMILY_NAMES = {
     "mistral": "Mistral",
     "qwen2": "Qwen2/2.5",
     "qwen3": "Qwen3",
+    "phi3": "Phi-3/3.5/4",
 }
 
 

@@ -3,9 +3,32 @@
 
 from __future__ import annotations
 
+import random
+from typing import Any
+
 from streamer.random_checkpoint import TinyModelSpec
+
+
+def longrope(rotary_dim: int, original_max: int, seed: int = 0) -> dict[str, Any]:
+    """Phi-3's LongRoPE parameters with distinct random short and long factors per frequency."""
+    rng = random.Random(seed)
+    return {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": rotary_dim / 16,
+            "original_max_position_embeddings": original_max,
+            "short_factor": [round(rng.uniform(1.0, 2.0), 3) for _ in range(rotary_dim // 2)],
+            "long_factor": [round(rng.uniform(2.0, 8.0), 3) for _ in range(rotary_dim // 2)]}
+
+
+def phi3_spec(original_max: int) -> TinyModelSpec:
+    """Phi-3 (fused qkv_proj and gate_up_proj) with LongRoPE on 12 of each head's 16 features, as
+    Phi-4-mini turns 3/4 of them. Its pad id defaults past the tiny vocabulary."""
+    return TinyModelSpec(arch="phi3", extra={"pad_token_id": 0, "original_max_position_embeddings": original_max,
+                                             "rope_parameters": longrope(12, original_max)})
+
 
 FAMILIES: dict[str, TinyModelSpec] = {
     # head_dim is Qwen3's own field (its default, 128, is not hidden / heads).
     "qwen3": TinyModelSpec(arch="qwen3", extra={"head_dim": 16}),
+    # The original context is the whole context here: the short factors rotate every position (the
+    # long ones are tested in test_phi3_longrope.py).
+    "phi3": phi3_spec(original_max=1024),
 }

@@ -23,6 +23,11 @@ def full(loaded: Any) -> torch.Tensor:
     return loaded[:]
 
 
+def _starts(sizes: list[int]) -> list[int]:
+    """Where each of consecutive parts of these sizes starts."""
+    return [sum(sizes[:i]) for i in range(len(sizes))]
+
+
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
@@ -58,6 +63,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        if shard_id is None:  # one fused checkpoint tensor (Phi-3's gate_up_proj): its parts in order
+            for part, start in enumerate(_starts(self.output_sizes)):
+                self.weight_loader(param, narrow(loaded, 0, start, self.output_sizes[part]), part)
+            return
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         param.data.narrow(0, offset, size).copy_(narrow(loaded, 0, self.tp_rank * size, size))
@@ -82,6 +91,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, output_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        if shard_id is None:  # one fused checkpoint tensor (Phi-3's qkv_proj): q, k, v of every head
+            tp = self.tp_size
+            sizes = [self.num_heads * self.head_size * tp] + [self.num_kv_heads * self.head_size * tp
+                                                               // self.kv_replicas] * 2
+            for part, start in zip("qkv", _starts(sizes)):
+                self.weight_loader(param, narrow(loaded, 0, start, sizes["qkv".index(part)]), part)
+            return
         q_size = self.num_heads * self.head_size
         kv_size = self.num_kv_heads * self.head_size
         if shard_id == "q":

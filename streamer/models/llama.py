@@ -1,7 +1,9 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over the paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Phi-3) over the paged KV cache.
 
-One implementation serves all three: Qwen2 differs only by biases on the QKV projection and
-(often) tied embeddings, Mistral not at all for contexts within its sliding window.
+One implementation serves all four: Qwen2 differs only by biases on the QKV projection and
+(often) tied embeddings, Mistral not at all for contexts within its sliding window, Phi-3 by its
+checkpoint's fused qkv_proj and gate_up_proj tensors (the layers' loaders split them), LongRoPE
+and partial rotary (streamer/layers/rotary.py).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from streamer.layers.attention import PagedAttention
 from streamer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from streamer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from streamer.layers.norm import RMSNorm
-from streamer.layers.rotary import build_cos_sin_cache
+from streamer.layers.rotary import apply_rotary, build_cos_sin_cache
 from streamer.parallel_state import get_tp_size
 
 
@@ -40,7 +42,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.before_rotary(q, k)
-        q, k = self.backend.rotary(positions, q, k, cos_sin_cache, self.head_size)
+        q, k = apply_rotary(self.backend, positions, q, k, cos_sin_cache, self.head_size)
         return self.o_proj(self.attn(q, k, v, meta, rows))
 
     def before_rotary(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,6 @@ def model_class(hf_config: Any) -> type[nn.Module]:
         from streamer.models.qwen3 import Qwen3ForCausalLM
 
         return Qwen3ForCausalLM
-    from streamer.models.llama import LlamaForCausalLM  # llama, mistral, qwen2
+    from streamer.models.llama import LlamaForCausalLM  # llama, mistral, qwen2, phi3
 
     return LlamaForCausalLM
