@@ -159,10 +159,13 @@ async def test_writes_of_a_fenced_off_owner_are_refused_and_reported(r: aioredis
     writer_a = EventWriter(r, NAMES, TTL_MS, on_fenced=lambda *f: fenced.append(f))
     writer_a.put(Write(rid, "json", [*a[2:], done_event(rid, 4, ["length"], {})], ack_entry=entry, epoch=1,
                        on_written=recorder(a_written, "a:2-4")))
-    writer_a.put(Write("bystander", "json", tokens("bystander", range(1)), epoch=1))
+    # Another job of A's in the same flush, claimed with another epoch (it was reclaimed once): it lands,
+    # and only the fenced write's own epoch is reported.
+    writer_a.put(Write("bystander", "json", tokens("bystander", range(1)), epoch=3,
+                       on_written=recorder(a_written, "bystander")))
     writer_a.close()
     await writer_a.run()
-    assert fenced == [(rid, 1)] and a_written == ["a:0-1"]
+    assert fenced == [(rid, 1)] and a_written == ["a:0-1", "bystander"]
     assert (await r.xpending(NAMES.requests, NAMES.group))["pending"] == 1  # A's ack was refused too
     await flush(r, Write(rid, "json", [*b, done_event(rid, 4, ["length"], {})], ack_entry=entry, epoch=2))
     assert read_events(redis_url, rid)[:4] == [*a[:2], *b]
@@ -200,6 +203,28 @@ async def test_ack_removes_the_job_and_gives_its_id_claim_the_events_ttl(r: aior
     assert 0 < await r.pttl(NAMES.events(rid)) <= TTL_MS
     assert await r.xlen(NAMES.requests) == 0
     assert (await r.xpending(NAMES.requests, NAMES.group))["pending"] == 0
+
+
+@pytest.mark.anyio
+async def test_one_flush_acks_each_job_in_the_stream_that_holds_it(r: aioredis.Redis, redis_url: str) -> None:
+    """A worker finishes jobs read from the shared stream, from its own (routed to it) and from a dead
+    worker's own stream (adopted) in one flush: each is acked and removed where it is, one ack script per
+    stream, and the events of all three go in one script call."""
+    streams = {"shared": NAMES.requests, "own": NAMES.worker_requests("w"), "adopted": NAMES.worker_requests("dead")}
+    entries: dict[str, str] = {}
+    for rid, stream in streams.items():
+        await r.xgroup_create(stream, NAMES.group, id="0", mkstream=True)
+        entries[rid] = (await r.xadd(stream, {"json": b"{}"})).decode()
+        await r.xreadgroup(NAMES.group, "w", {stream: ">"})
+    await r.config_resetstat()
+    await flush(r, *(Write(rid, "json", [*tokens(rid, range(2)), done_event(rid, 2, ["length"], {})],
+                           ack_entry=entries[rid], ack_stream="" if rid == "shared" else stream)
+                     for rid, stream in streams.items()))
+    for rid, stream in streams.items():
+        assert await r.xlen(stream) == 0 and (await r.xpending(stream, NAMES.group))["pending"] == 0, rid
+        assert await r.xlen(NAMES.events(rid)) == 3
+    stats = await r.info("commandstats")
+    assert stats["cmdstat_evalsha"]["calls"] == 1 + len(streams)
 
 
 # --- one long-lived EventWriter, as the worker runs it: waiting, acks, faults -----------------------
@@ -318,7 +343,7 @@ async def test_a_dropped_connection_is_retried_until_everything_is_in_redis_once
     live = await heard(r, sub, ["a", "b"])
     assert live == {"a": a, "b": b}
     assert read_events(redis_url, "a") == a and read_events(redis_url, "b") == b
-    assert any("event writer" in m and "ConnectionError" in m for m in writer_warnings(caplog)), \
+    assert any(m.startswith("event writer: Redis unavailable (ConnectionError") for m in writer_warnings(caplog)), \
         writer_warnings(caplog)
 
 
@@ -358,7 +383,7 @@ async def test_a_command_redis_refuses_is_logged_and_the_rest_of_the_flush_lands
     assert (await heard(r, sub, [rid]))[rid] == events
     assert read_events(redis_url, rid) == events
     assert TTL_MS // 2 < await r.pttl(NAMES.job(rid)) <= TTL_MS
-    assert any("event writer" in m and "WRONGTYPE" in m for m in writer_warnings(caplog)), \
+    assert any(m.startswith("event writer: Redis refused a write: WRONGTYPE") for m in writer_warnings(caplog)), \
         writer_warnings(caplog)
 
 
@@ -387,7 +412,7 @@ async def test_writes_redis_refuses_are_not_retried_and_the_writer_carries_on(
             writer.close()
     assert read_events(redis_url, "later") == later
     assert await r.xlen(NAMES.events("refused")) == 0
-    assert any("event writer" in m and "NOREPLICAS" in m for m in writer_warnings(caplog)), \
+    assert any(m.startswith("event writer: Redis refused a write: NOREPLICAS") for m in writer_warnings(caplog)), \
         writer_warnings(caplog)
 
 
@@ -571,8 +596,30 @@ async def test_a_fresh_cluster_node_gets_the_scripts_and_the_flush_lands_once(
     await node.aclose()
     assert [decode_event(f) for _, f in await rc.xrange(CLUSTER.events(rid))] == events
     assert await rc.xlen(CLUSTER.requests) == 0
-    assert any("event writer" in m and "NoScriptError" in m for m in writer_warnings(caplog)), \
+    assert any(m.startswith("event writer: Redis unavailable (NoScriptError") for m in writer_warnings(caplog)), \
         writer_warnings(caplog)
+
+
+@pytest.mark.anyio
+async def test_a_write_put_while_a_fresh_node_refuses_the_scripts_is_kept(
+        rc: aioredis.RedisCluster, one_node_cluster_url: str) -> None:
+    """What is put while the refused (NOSCRIPT) round trip is out goes with the retry too."""
+    node = aioredis.Redis.from_url(one_node_cluster_url)
+    writer = EventWriter(rc, CLUSTER, TTL_MS)
+    await rc.initialize()  # the slot map read before writes are held
+    events = {rid: tokens(rid, range(2)) for rid in ("first", "meanwhile", "last")}
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(writer.run)
+            async with writes_held(node):
+                writer.put(Write("first", "json", events["first"]))
+                await in_flight(writer)
+                writer.put(Write("meanwhile", "json", events["meanwhile"]))
+                writer.put(Write("last", "json", events["last"]))
+            writer.close()
+    await node.aclose()
+    for rid, sent in events.items():
+        assert [decode_event(f) for _, f in await rc.xrange(CLUSTER.events(rid))] == sent, rid
 
 
 @pytest.mark.anyio
