@@ -96,6 +96,9 @@ async def test_a_changed_registry_and_lost_groups_are_found_again(r: aioredis.Re
     await r.xgroup_destroy(queue, NAMES.group)  # Redis lost it (a restart without persistence)
     assert await streams.take(1) == []  # the group is made again, from id 0: every entry is new to it
     assert await take_ids(streams, 2) == ["new-tenant", "after-loss"]
+    await calls(r)
+    await streams.refresh(force=True)
+    assert (await calls(r))["xgroup|create"] == 0  # the groups Redis did not lose are not made again
 
 
 @pytest.mark.anyio
