@@ -31,6 +31,7 @@ from clients.heartbeats import live_workers
 from clients.protocol import Names
 from workers import up_state
 from workers.arg_types import optional_port, port_number, redis_url
+from workers.cli.compiling import compiling
 from workers.cli.processes import Child, Phases
 from workers.errors import UserError
 from workers.ports import check_port_free
@@ -39,6 +40,7 @@ from workers.redis_options import check_redis, sync_client
 from workers.redis_server import RedisServer, free_port
 
 WORKER_GRACE_S = 3.0  # < processes.STOP_TIMEOUT_S: the worker exits by itself before being killed
+KERNELS = "compiling the CPU kernels (first start only: minutes on a small CPU, then reused)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,10 +101,12 @@ def worker_device(url: str, prefix: str, name: str) -> str:
 
 
 def wait_until(ready: Callable[[], bool], children: list[Child], timeout: float, what: str,
-               tick_s: float = 10.0) -> None:
+               tick_s: float = 10.0, doing: Callable[[], str | None] = lambda: None) -> None:
     """Poll `ready` until it holds; fail if a child exits or the timeout passes. A spinner with the
-    elapsed time on a terminal, a line every `tick_s` otherwise."""
-    start = last_tick = time.monotonic()
+    elapsed time on a terminal, a line every `tick_s` otherwise; both say `doing()` instead of `what`
+    while it names a step (asked once a second)."""
+    start = last_tick = last_look = time.monotonic()
+    now_doing = what
     with task(f"      {what}", summary=False) as shown:
         while not ready():
             for child in children:
@@ -114,8 +118,13 @@ def wait_until(ready: Callable[[], bool], children: list[Child], timeout: float,
             if now - start > timeout:
                 raise UserError(f"gave up after {timeout:.0f}s {what}: raise --startup-timeout if the "
                                 "machine is just slow")
+            if now - last_look >= 1.0:
+                last_look, step = now, doing() or what
+                if step != now_doing:
+                    now_doing = step
+                    shown.update(description=f"      {step}")
             if not shown.drawn and now - last_tick >= tick_s:
-                print(f"      ... still {what} ({now - start:.0f}s)", flush=True)
+                print(f"      ... still {now_doing} ({now - start:.0f}s)", flush=True)
                 last_tick = now
             time.sleep(0.2)
 
@@ -199,12 +208,11 @@ def _start_all(args: argparse.Namespace, local_host: str, port: int, phases: Pha
         # With a shared Redis other workers may be there already: wait for a new heartbeat.
         before = worker_names(redis_url, args.prefix)
         # The worker picks the best device itself: importing torch here would cost a second.
-        started.start(Child("worker", ["worker", "--model", model, "--prefix", args.prefix,
-                                       *(["--device", args.device] if args.device else []),
-                                       *(["--dtype", args.dtype] if args.dtype else []),
-                                       *(["--metrics-port", str(args.metrics_port), "--metrics-host", args.host]
-                                         if args.metrics_port else [])],
-                            env=child_env))
+        metrics = ["--metrics-port", str(args.metrics_port), "--metrics-host", args.host] if args.metrics_port else []
+        worker = started.start(Child("worker", ["worker", "--model", model, "--prefix", args.prefix,
+                                                *(["--device", args.device] if args.device else []),
+                                                *(["--dtype", args.dtype] if args.dtype else []), *metrics],
+                                     env=child_env))
         # The gateway needs no worker to start: it comes up while the model loads.
         started.start(Child("gateway", ["gateway", "--host", args.host, "--port", str(port),
                                         "--prefix", args.prefix,
@@ -212,11 +220,14 @@ def _start_all(args: argparse.Namespace, local_host: str, port: int, phases: Pha
                             env=child_env))
         new: list[str] = []
 
+        def worker_step() -> str | None:  # the first start on CPU builds the kernels: say so
+            return KERNELS if worker.proc is not None and compiling(worker.proc.pid) else None
+
         def worker_ready() -> bool:
             new[:] = sorted(worker_names(redis_url, args.prefix) - before)
             return bool(new)
 
-        wait_until(worker_ready, started.children, args.startup_timeout, "loading the model")
+        wait_until(worker_ready, started.children, args.startup_timeout, "loading the model", doing=worker_step)
         device = worker_device(redis_url, args.prefix, new[0]) or args.device or "?"
         print(f"      on {device}", flush=True)
 
