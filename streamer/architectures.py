@@ -8,6 +8,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
 
 # What users call the models of each family, for error messages and docs.
@@ -17,7 +19,13 @@ FAMILY_NAMES = {
     "qwen2": "Qwen2/2.5",
     "qwen3": "Qwen3",
     "phi3": "Phi-3/3.5/4",
+    "gemma2": "Gemma 2",
+    "gemma3": "Gemma 3 (text)",
 }
+
+# Families whose layers attend within their sliding window (the attention kernels' `window`), so
+# their context is not capped at it.
+SLIDING_WINDOW_FAMILIES = {"gemma2", "gemma3"}
 
 
 def unsupported_message(found: str) -> str:

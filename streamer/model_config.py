@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from streamer_kernels.cpu_features import fast_bfloat16
 
-from streamer.architectures import SUPPORTED_ARCHITECTURES, unsupported_message
+from streamer.architectures import SLIDING_WINDOW_FAMILIES, SUPPORTED_ARCHITECTURES, unsupported_message
 from streamer.errors import ConfigError
 from streamer.hf_config import load_hf_config
 
@@ -42,8 +42,9 @@ class ModelConfig:
             raise UnsupportedModelError(unsupported_message(", ".join(archs) or repr(hf.model_type)))
         limit = int(hf.max_position_embeddings)
         window = getattr(hf, "sliding_window", None)
-        if window and getattr(hf, "use_sliding_window", True):
-            limit = min(limit, int(window))  # beyond the window we'd diverge from the model
+        family = SUPPORTED_ARCHITECTURES[next(a for a in archs if a in SUPPORTED_ARCHITECTURES)]
+        if window and getattr(hf, "use_sliding_window", True) and family not in SLIDING_WINDOW_FAMILIES:
+            limit = min(limit, int(window))  # a family that attends to every key diverges beyond the window
         if max_model_len is not None:
             if max_model_len > limit:
                 raise ConfigError(f"max_model_len {max_model_len} exceeds the model's limit {limit}")

@@ -31,4 +31,15 @@ FAMILIES: dict[str, TinyModelSpec] = {
     # The original context is the whole context here: the short factors rotate every position (the
     # long ones are tested in test_phi3_longrope.py).
     "phi3": phi3_spec(original_max=1024),
+    # A window of 24 keys, far shorter than most parity prompts; the second layer is global.
+    # Small caps, so that capping changes the scores and logits of these random weights.
+    "gemma2": TinyModelSpec(arch="gemma2", tie_word_embeddings=True, extra={
+        "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 24,
+        "attn_logit_softcapping": 3.0, "final_logit_softcapping": 5.0}),
+    # Local RoPE base on the sliding layer, a linearly scaled global one on the other.
+    "gemma3": TinyModelSpec(arch="gemma3_text", tie_word_embeddings=True, extra={
+        "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 24,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}),
 }

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_testing import DEVICES, DTYPES, ELEMENTWISE_TOL, POISON, randn, rel_err
-from streamer_kernels.activation import silu_and_mul_ref
-from streamer_kernels.activation_triton import silu_and_mul
+from streamer_kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
+from streamer_kernels.activation_triton import gelu_tanh_and_mul, silu_and_mul
 from streamer_kernels.cache_ops import copy_blocks_ref, reshape_and_cache_ref
 from streamer_kernels.cache_ops_triton import copy_blocks, reshape_and_cache
 from streamer_kernels.rms_norm import rms_norm_ref
@@ -116,8 +116,11 @@ def test_rotary_matches_reference(heads: int, kv_heads: int, head_size: int, dty
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(5, 2 * 88), (2, 3, 2 * 1100)])
-def test_silu_and_mul_matches_reference(shape: tuple, dtype: torch.dtype, device: str) -> None:
+@pytest.mark.parametrize(("kernel", "ref"), [(silu_and_mul, silu_and_mul_ref),
+                                             (gelu_tanh_and_mul, gelu_tanh_and_mul_ref)])  # Llama's, Gemma's
+def test_gated_activations_match_reference(kernel, ref, shape: tuple, dtype: torch.dtype,  # noqa: ANN001
+                                           device: str) -> None:
     x = randn(*shape, dtype=dtype, device=device, gen=_gen(shape[-1]))
     out = torch.full((*shape[:-1], shape[-1] // 2), POISON, dtype=dtype, device=device)
-    assert silu_and_mul(x, out=out) is out
-    assert rel_err(out, silu_and_mul_ref(x)) < ELEMENTWISE_TOL[dtype]
+    assert kernel(x, out=out) is out
+    assert rel_err(out, ref(x)) < ELEMENTWISE_TOL[dtype]

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+from streamer_kernels.activation import gelu_tanh_and_mul_ref
 
 
 @dataclass
@@ -93,3 +94,7 @@ class AttentionBackend(ABC):
     @abstractmethod
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         ...
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """Gemma's GeGLU (kernels/activation.py); the reference unless a backend compiles it."""
+        return gelu_tanh_and_mul_ref(x)

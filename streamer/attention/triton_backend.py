@@ -4,7 +4,7 @@ under the Triton interpreter (`TRITON_INTERPRET=1`), which the tests use to chec
 from __future__ import annotations
 
 import torch
-from streamer_kernels.activation_triton import silu_and_mul
+from streamer_kernels.activation_triton import gelu_tanh_and_mul, silu_and_mul
 from streamer_kernels.cache_ops_triton import copy_blocks, reshape_and_cache
 from streamer_kernels.paged_decode_triton import paged_decode_attention
 from streamer_kernels.paged_prefill_triton import paged_prefill_attention
@@ -57,3 +57,6 @@ class TritonBackend(AttentionBackend):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return gelu_tanh_and_mul(x)

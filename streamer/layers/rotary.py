@@ -11,9 +11,12 @@ import torch
 from streamer.attention.backend import AttentionBackend
 
 
-def build_cos_sin_cache(hf_config: Any, max_positions: int, device: torch.device) -> torch.Tensor:
-    """`[max_positions, rotary_dim]`: cos of the rotary_dim/2 frequencies, then their sin."""
-    inv_freq, scale = _rope_frequencies(hf_config, max_positions)
+def build_cos_sin_cache(hf_config: Any, max_positions: int, device: torch.device,
+                        layer_type: str | None = None) -> torch.Tensor:
+    """`[max_positions, rotary_dim]`: cos of the rotary_dim/2 frequencies, then their sin. With
+    `layer_type` ("sliding_attention", "full_attention"), that type's own RoPE parameters (Gemma 3:
+    a local base for sliding layers, a scaled global one for the others)."""
+    inv_freq, scale = _rope_frequencies(hf_config, max_positions, layer_type)
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq.float().cpu()[None, :]
     return torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1).to(device)
@@ -45,7 +48,7 @@ def apply_rotary(backend: AttentionBackend, positions: torch.Tensor, q: torch.Te
     return qh.view(q.shape[0], -1), kh.view(k.shape[0], -1)
 
 
-def _rope_frequencies(hf_config: Any, max_positions: int) -> tuple[torch.Tensor, float]:
+def _rope_frequencies(hf_config: Any, max_positions: int, layer_type: str | None) -> tuple[torch.Tensor, float]:
     """transformers' own frequencies and scaling for the checkpoint's RoPE type, without importing a
     modeling module (importing modeling_llama costs 3 s of every worker start).
 
@@ -57,9 +60,11 @@ def _rope_frequencies(hf_config: Any, max_positions: int) -> tuple[torch.Tensor,
     any prompt longer than it in the second."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    params = hf_config.rope_parameters
+    params = hf_config.rope_parameters if layer_type is None else hf_config.rope_parameters[layer_type]
     if params["rope_type"] != "default":
-        extra = {"seq_len": max_positions} if params["rope_type"] == "longrope" else {}
+        extra: dict[str, Any] = {"seq_len": max_positions} if params["rope_type"] == "longrope" else {}
+        if layer_type is not None:
+            extra["layer_type"] = layer_type
         with torch.device("cpu"):
             inv_freq, scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf_config, **extra)
         return inv_freq, float(scale)

@@ -19,11 +19,15 @@ from streamer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from streamer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from streamer.layers.norm import RMSNorm
 from streamer.layers.rotary import apply_rotary, build_cos_sin_cache
+from streamer.models.checkpoint_names import HFCheckpointNames
 from streamer.parallel_state import get_tp_size
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any, backend: AttentionBackend, qkv_bias: bool) -> None:
+    def __init__(self, cfg: Any, backend: AttentionBackend, qkv_bias: bool, scale: float | None = None,
+                 window: int = 0, softcap: float = 0.0) -> None:
+        """`scale` (default head_size^-0.5), `window` and `softcap`: the attention's options
+        (streamer/layers/attention.py), for families that set them."""
         super().__init__()
         self.head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -35,7 +39,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.qkv_proj.num_kv_heads * self.head_size
         self.backend = backend
         self.attn = PagedAttention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.head_size,
-                                   self.head_size ** -0.5, backend)
+                                   self.head_size ** -0.5 if scale is None else scale, backend, window, softcap)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 cos_sin_cache: torch.Tensor, rows: Rows | None = None) -> torch.Tensor:
@@ -106,16 +110,8 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(HFCheckpointNames, nn.Module):
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
-    # checkpoint name fragment -> (our parameter fragment, shard id)
-    stacked_params = {
-        ".q_proj.": (".qkv_proj.", "q"),
-        ".k_proj.": (".qkv_proj.", "k"),
-        ".v_proj.": (".qkv_proj.", "v"),
-        ".gate_proj.": (".gate_up_proj.", 0),
-        ".up_proj.": (".gate_up_proj.", 1),
-    }
 
     def __init__(self, cfg: Any, backend: AttentionBackend, max_positions: int, device: torch.device) -> None:
         super().__init__()
@@ -148,16 +144,3 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
-
-    def checkpoint_name_to_param(self, name: str) -> tuple[str, Any] | None:
-        """Map a checkpoint tensor name to (our parameter name, shard id); None = not ours."""
-        if "rotary_emb.inv_freq" in name:
-            return None
-        if name.startswith("model."):
-            name = name[len("model."):]
-        if name == "lm_head.weight" and self.tied:
-            return None
-        for fragment, (ours, shard_id) in self.stacked_params.items():
-            if fragment in name:
-                return name.replace(fragment, ours), shard_id
-        return name, None

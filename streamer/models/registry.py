@@ -15,6 +15,10 @@ def model_class(hf_config: Any) -> type[nn.Module]:
         raise ValueError(f"no supported architecture in {hf_config.architectures!r}")
     family = SUPPORTED_ARCHITECTURES[archs[0]]
     # Imported on demand: a worker pays only for its own family's module.
+    if family in ("gemma2", "gemma3"):
+        from streamer.models.gemma import GemmaForCausalLM
+
+        return GemmaForCausalLM
     if family == "qwen3":
         from streamer.models.qwen3 import Qwen3ForCausalLM
 
