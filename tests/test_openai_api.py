@@ -14,7 +14,15 @@ import httpx
 import openai
 import pytest
 import redis.asyncio as aioredis
-from redis_worker_helpers import NAMES, offline_completions, read_events, running_worker, text_of, wait_for
+from redis_worker_helpers import (
+    NAMES,
+    dead_letters,
+    offline_completions,
+    read_events,
+    running_worker,
+    text_of,
+    wait_for,
+)
 from test_gateway import config
 from test_gateway_e2e import idle
 
@@ -350,3 +358,25 @@ async def test_shutdown_answers_whole_requests_503_and_frees_their_kv(llama_ckpt
         await wait_for(lambda: idle(worker), 30)
     events = read_events(redis_url, "whole-at-shutdown")
     assert events[-1]["type"] == "done" and events[-1]["finish_reason"] == "abort"
+
+
+@pytest.mark.anyio
+async def test_client_mistakes_found_by_the_worker_are_400s_and_no_dead_letters(llama_ckpt: Path,
+                                                                                 redis_url: str) -> None:
+    """A text prompt too long for the model is only countable by the worker's tokenizer: it is pushed,
+    refused by the worker, answered 400 here, and not kept in the operator's dead letters (issue 42:
+    such a request used to be listed by `streamer dead`). A max_tokens past the context is refused by
+    the gateway itself once a worker has announced its context."""
+    async with running_worker(llama_ckpt, redis_url), running_gateway(config(redis_url)) as gw, \
+            httpx.AsyncClient(base_url=gw.url + "v1", timeout=60) as http:
+        model = str(llama_ckpt)
+        long = await http.post("/completions", json={"model": model, "prompt": "paged attention " * 900,
+                                                     "max_tokens": 4})
+        assert long.status_code == 400 and long.json()["error"]["code"] == "invalid_request", long.text
+        assert "prompt has" in long.json()["error"]["message"]
+        await wait_for(lambda: gw.workers_max_model_len > 0, timeout=10)
+        huge = await http.post("/completions", json={"model": model, "prompt": "x", "max_tokens": 10_000_000})
+        assert huge.status_code == 400 and huge.json()["error"]["message"].startswith(
+            "'max_tokens' or 'max_completion_tokens' is too large: 10000000. This model's maximum context length "
+            f"is {gw.workers_max_model_len} tokens")
+    assert dead_letters(redis_url) == []
