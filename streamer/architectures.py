@@ -10,6 +10,8 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 
 # What users call the models of each family, for error messages and docs.
@@ -21,6 +23,8 @@ FAMILY_NAMES = {
     "phi3": "Phi-3/3.5/4",
     "gemma2": "Gemma 2",
     "gemma3": "Gemma 3 (text)",
+    "qwen3_moe": "Qwen3-MoE",
+    "mixtral": "Mixtral",
 }
 
 # Families whose layers attend within their sliding window (the attention kernels' `window`), so

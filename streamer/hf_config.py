@@ -24,12 +24,15 @@ from streamer.cache_dir import cache_dir
 
 log = logging.getLogger("streamer.engine")
 
+_FORMAT = 2  # what a cache entry holds; 2: the config class's attribute aliases as well
+
 
 def cached_config_path(root: Path) -> Path:
     import transformers
 
     raw = (root / "config.json").read_bytes()
-    key = hashlib.sha256(transformers.__version__.encode() + b"\0" + raw).hexdigest()[:40]
+    # _FORMAT: entries written by an older streamer (without the aliases) are resolved again.
+    key = hashlib.sha256(f"{transformers.__version__}\0{_FORMAT}\0".encode() + raw).hexdigest()[:40]
     return cache_dir() / "configs" / f"{key}.json"
 
 
@@ -43,7 +46,13 @@ def load_hf_config(root: Path) -> Any:
     except (OSError, ValueError):
         pass  # not resolved yet (or a damaged entry): resolve it now
     hf = AutoConfig.from_pretrained(str(root))
-    _save(cached, hf.to_json_string(use_diff=False))
+    resolved = json.loads(hf.to_json_string(use_diff=False))
+    # A config class's aliases (Qwen3-MoE's and Mixtral's num_experts for num_local_experts) live in
+    # its attribute_map, which a plain PretrainedConfig lacks: each alias is saved as an attribute too.
+    for alias, name in getattr(hf, "attribute_map", {}).items():
+        if name in resolved:
+            resolved.setdefault(alias, resolved[name])
+    _save(cached, json.dumps(resolved, indent=2, sort_keys=True))
     return hf
 
 

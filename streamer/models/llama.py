@@ -87,12 +87,16 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, cfg: Any, backend: AttentionBackend, qkv_bias: bool) -> None:
+    def __init__(self, cfg: Any, backend: AttentionBackend, qkv_bias: bool, layer_idx: int = 0) -> None:
         super().__init__()
         self.self_attn = self.attention_cls(cfg, backend, qkv_bias)
-        self.mlp = LlamaMLP(cfg, backend)
+        self.mlp = self.build_mlp(cfg, backend, layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+
+    def build_mlp(self, cfg: Any, backend: AttentionBackend, layer_idx: int) -> nn.Module:
+        """This layer's MLP (a mixture-of-experts family picks per layer)."""
+        return LlamaMLP(cfg, backend)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata, cos_sin_cache: torch.Tensor,
@@ -117,8 +121,7 @@ class LlamaForCausalLM(HFCheckpointNames, nn.Module):
         super().__init__()
         qkv_bias = cfg.model_type == "qwen2" or getattr(cfg, "attention_bias", False)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(self.layer_cls(cfg, backend, qkv_bias)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_cls(cfg, backend, qkv_bias, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:

@@ -19,6 +19,14 @@ def model_class(hf_config: Any) -> type[nn.Module]:
         from streamer.models.gemma import GemmaForCausalLM
 
         return GemmaForCausalLM
+    if family == "qwen3_moe":
+        from streamer.models.qwen3_moe import Qwen3MoeForCausalLM
+
+        return Qwen3MoeForCausalLM
+    if family == "mixtral":
+        from streamer.models.mixtral import MixtralForCausalLM
+
+        return MixtralForCausalLM
     if family == "qwen3":
         from streamer.models.qwen3 import Qwen3ForCausalLM
 
