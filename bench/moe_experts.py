@@ -56,7 +56,7 @@ def main() -> None:
         x = torch.randn(tokens * args.top_k, args.hidden, generator=gen).to(dtype)
         h = torch.randn(tokens * args.top_k, args.inter, generator=gen).to(dtype)
 
-        def run(mm):  # noqa: ANN001, ANN202
+        def run(mm, x=x, h=h, offs=offs):  # noqa: ANN001, ANN202
             return lambda: (mm(x, w13.transpose(1, 2), offs), mm(h, w2.transpose(1, 2), offs))
 
         grouped, loop = median_ms(run(grouped_mm), args.iters), median_ms(run(grouped_mm_ref), args.iters)

@@ -47,9 +47,4 @@ FAMILIES: dict[str, TinyModelSpec] = {
         "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "norm_topk_prob": False}),
     "mixtral": TinyModelSpec(arch="mixtral", extra={"num_local_experts": 8, "num_experts_per_tok": 2}),
-    # 8 experts, 2 a token; Qwen3-MoE without renormalising the top-k weights (Mixtral always does).
-    "qwen3_moe": TinyModelSpec(arch="qwen3_moe", extra={
-        "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-        "norm_topk_prob": False}),
-    "mixtral": TinyModelSpec(arch="mixtral", extra={"num_local_experts": 8, "num_experts_per_tok": 2}),
 }
