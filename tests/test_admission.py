@@ -12,7 +12,7 @@ import pytest
 
 from clients.errors import ProtocolError
 from clients.protocol import Limits
-from workers.gateway.admission import check_job
+from workers.gateway.admission import MAX_TOKENS_LIMIT, check_job
 
 DEFAULT = Limits()
 
@@ -61,6 +61,16 @@ def test_what_the_worker_would_refuse_is_refused_first_under_the_gateways_limits
     assert check_job(two, DEFAULT, 0).messages is not None
     fewer = refusal(two, Limits(max_messages=1))  # the limits given, not the defaults
     assert (fewer.code, fewer.message) == ("invalid_request", "`messages` must be a list of 1-1 messages")
+
+
+def test_max_tokens_up_to_the_limit_every_part_holds_passes_and_one_more_is_refused() -> None:
+    """2**31 - 1 is the most a job may ask for (the tenants' Lua arithmetic and the engine's counters hold
+    it exactly); one more is refused before anything else looks at the job, naming the request."""
+    at = check_job(job(prompt="x", params={"max_tokens": MAX_TOKENS_LIMIT}), DEFAULT, 0)
+    assert MAX_TOKENS_LIMIT == 2**31 - 1 and at.params == {"max_tokens": MAX_TOKENS_LIMIT}
+    over = refusal(job(prompt="x", params={"max_tokens": MAX_TOKENS_LIMIT + 1}))
+    assert (over.code, over.request_id) == ("invalid_params", "r:1")
+    assert over.message == "`max_tokens` 2147483648 is past the most any job may ask for (2147483647)"
 
 
 def test_sampling_parameters_the_engine_refuses_are_refused_here() -> None:
