@@ -27,10 +27,6 @@ FAMILY_NAMES = {
     "mixtral": "Mixtral",
 }
 
-# Families whose layers attend within their sliding window (the attention kernels' `window`), so
-# their context is not capped at it.
-SLIDING_WINDOW_FAMILIES = {"gemma2", "gemma3"}
-
 
 def unsupported_message(found: str) -> str:
     """The one line a user reads when their checkpoint's architecture is not one of ours."""

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from streamer_kernels.cpu_features import fast_bfloat16
 
-from streamer.architectures import SLIDING_WINDOW_FAMILIES, SUPPORTED_ARCHITECTURES, unsupported_message
+from streamer.architectures import SUPPORTED_ARCHITECTURES, unsupported_message
 from streamer.errors import ConfigError
 from streamer.hf_config import load_hf_config
 
@@ -40,11 +40,9 @@ class ModelConfig:
         archs = getattr(hf, "architectures", None) or []
         if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
             raise UnsupportedModelError(unsupported_message(", ".join(archs) or repr(hf.model_type)))
+        # The model's whole context: layers with a sliding window attend within it (the attention
+        # kernels' `window`, streamer/layers/attention.py), however long the sequence.
         limit = int(hf.max_position_embeddings)
-        window = getattr(hf, "sliding_window", None)
-        family = SUPPORTED_ARCHITECTURES[next(a for a in archs if a in SUPPORTED_ARCHITECTURES)]
-        if window and getattr(hf, "use_sliding_window", True) and family not in SLIDING_WINDOW_FAMILIES:
-            limit = min(limit, int(window))  # a family that attends to every key diverges beyond the window
         if max_model_len is not None:
             if max_model_len > limit:
                 raise ConfigError(f"max_model_len {max_model_len} exceeds the model's limit {limit}")

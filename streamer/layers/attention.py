@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -34,3 +36,17 @@ class PagedAttention(nn.Module):
         out = self.backend.forward(q.view(n, self.num_heads, self.head_size), self.key_cache,
                                    self.value_cache, meta, self.scale, window=self.window, softcap=self.softcap)
         return out.reshape(n, self.num_heads * self.head_size)
+
+
+def sliding_window(cfg: Any, layer_idx: int) -> int:
+    """The keys layer `layer_idx` attends to, as transformers decides it (0: all of them). With
+    `layer_types` (Qwen2, Qwen3, Gemma: sliding layers chosen per layer; Qwen2/3 set sliding_window
+    to None unless use_sliding_window) the sliding layers' window; without it (Mistral, Mixtral,
+    Phi-3) `sliding_window` applies to every layer."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window:
+        return 0
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None and layer_types[layer_idx] != "sliding_attention":
+        return 0
+    return int(window)

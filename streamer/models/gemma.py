@@ -22,20 +22,19 @@ import torch
 from torch import nn
 
 from streamer.attention.backend import AttentionBackend, AttentionMetadata, Rows
+from streamer.layers.attention import sliding_window
 from streamer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from streamer.layers.norm import GemmaRMSNorm, norm_heads
 from streamer.layers.rotary import build_cos_sin_cache
 from streamer.models.checkpoint_names import HFCheckpointNames
 from streamer.models.llama import LlamaAttention, LlamaMLP
 
-SLIDING = "sliding_attention"
-
 
 class GemmaAttention(LlamaAttention):
-    def __init__(self, cfg: Any, backend: AttentionBackend, layer_type: str) -> None:
+    def __init__(self, cfg: Any, backend: AttentionBackend, layer_idx: int) -> None:
         super().__init__(cfg, backend, qkv_bias=bool(getattr(cfg, "attention_bias", False)),
                          scale=cfg.query_pre_attn_scalar ** -0.5,
-                         window=int(cfg.sliding_window) if layer_type == SLIDING else 0,
+                         window=sliding_window(cfg, layer_idx),
                          softcap=float(getattr(cfg, "attn_logit_softcapping", None) or 0.0))
         self.qk_norms = cfg.model_type == "gemma3_text"
         if self.qk_norms:
@@ -54,10 +53,10 @@ class GemmaMLP(LlamaMLP):
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, backend: AttentionBackend, layer_type: str) -> None:
+    def __init__(self, cfg: Any, backend: AttentionBackend, layer_idx: int) -> None:
         super().__init__()
-        self.layer_type = layer_type
-        self.self_attn = GemmaAttention(cfg, backend, layer_type)
+        self.layer_type = cfg.layer_types[layer_idx]
+        self.self_attn = GemmaAttention(cfg, backend, layer_idx)
         self.mlp = GemmaMLP(cfg, backend)
         norm = [GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend) for _ in range(4)]
         self.input_layernorm, self.post_attention_layernorm = norm[0], norm[1]
@@ -84,7 +83,7 @@ class GemmaForCausalLM(HFCheckpointNames, nn.Module):
     def __init__(self, cfg: Any, backend: AttentionBackend, max_positions: int, device: torch.device) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, backend, t) for t in cfg.layer_types)
+        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, backend, i) for i in range(cfg.num_hidden_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", True))

@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, Phi-3) over the paged KV cache.
 
 One implementation serves all four: Qwen2 differs only by biases on the QKV projection and
-(often) tied embeddings, Mistral not at all for contexts within its sliding window, Phi-3 by its
+(often) tied embeddings, Mistral by its sliding window (the attention's `window`, as Qwen2's
+sliding layers with use_sliding_window), Phi-3 by its
 checkpoint's fused qkv_proj and gate_up_proj tensors (the layers' loaders split them), LongRoPE
 and partial rotary (streamer/layers/rotary.py).
 """
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from streamer.attention.backend import AttentionBackend, AttentionMetadata, Rows
-from streamer.layers.attention import PagedAttention
+from streamer.layers.attention import PagedAttention, sliding_window
 from streamer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from streamer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from streamer.layers.norm import RMSNorm
@@ -89,7 +90,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, cfg: Any, backend: AttentionBackend, qkv_bias: bool, layer_idx: int = 0) -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(cfg, backend, qkv_bias)
+        self.self_attn = self.attention_cls(cfg, backend, qkv_bias, window=sliding_window(cfg, layer_idx))
         self.mlp = self.build_mlp(cfg, backend, layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)

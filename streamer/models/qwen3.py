@@ -12,8 +12,8 @@ from streamer.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCau
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, cfg: Any, backend: AttentionBackend, qkv_bias: bool) -> None:
-        super().__init__(cfg, backend, qkv_bias)
+    def __init__(self, cfg: Any, backend: AttentionBackend, qkv_bias: bool, **options: Any) -> None:
+        super().__init__(cfg, backend, qkv_bias, **options)
         self.q_norm = RMSNorm(self.head_size, cfg.rms_norm_eps, backend)
         self.k_norm = RMSNorm(self.head_size, cfg.rms_norm_eps, backend)
 

@@ -1,0 +1,55 @@
+"""Sliding-window attention of Mistral (every layer) and of Qwen2 with use_sliding_window (the
+layers from max_window_layers on): windows of 16 and 20 keys, prompts and outputs running past
+them many times, token for token equal to transformers; the context is the model's whole
+max_position_embeddings, not the window."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from kernel_testing import INTERPRET
+
+from streamer import LLM, SamplingParams
+from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
+from tests.parity import MAX_TOKENS, hf_greedy, parity_prompts
+from tests.test_engine_parity import reference, run_engine
+
+SPECS = {
+    "mistral": TinyModelSpec(arch="mistral", extra={"sliding_window": 16}),
+    # Layer 0 attends to everything, layer 1 to its last 20 keys.
+    "qwen2": TinyModelSpec(arch="qwen2", tie_word_embeddings=True, extra={
+        "use_sliding_window": True, "sliding_window": 20, "max_window_layers": 1}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SPECS))
+def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp(request.param), SPECS[request.param], seed=6)
+
+
+def test_windowed_layers_match_transformers_far_past_the_window(ckpt: Path) -> None:
+    prompts = parity_prompts(512, seed=5)  # up to 300 tokens + 30 generated: ~20 windows
+    got, stats = run_engine(ckpt, prompts, block_size=8, max_num_batched_tokens=96, num_kv_blocks=512)
+    assert got == reference(ckpt, prompts)
+    assert stats["num_partial_prefills"] > 0
+    assert LLM(str(ckpt), dtype="float32", num_kv_blocks=64).engine.max_model_len == 1024  # 64 x 16 slots
+
+
+def test_reference_backend_under_preemption(ckpt: Path) -> None:
+    prompts = parity_prompts(512, seed=5)
+    got, stats = run_engine(ckpt, prompts, attention_backend="torch", block_size=8, num_kv_blocks=96,
+                            max_num_batched_tokens=512)
+    assert stats["num_preemptions"] > 0
+    assert got == reference(ckpt, prompts)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU Triton needs TRITON_INTERPRET=1")
+def test_triton_kernels_under_the_interpreter(ckpt: Path) -> None:
+    prompts = parity_prompts(512, seed=5)[2:5]  # 17, 40, 64 tokens: chunked, past the window
+    llm = LLM(str(ckpt), dtype="float32", attention_backend="triton", device="cpu", block_size=8,
+              num_kv_blocks=64, max_num_batched_tokens=16)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0, max_tokens=n) for n in MAX_TOKENS[2:5]])
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(ckpt, tuple(map(tuple, prompts)),
+                                                               tuple(MAX_TOKENS[2:5]))
