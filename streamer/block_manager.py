@@ -62,6 +62,9 @@ class BlockManager:
         # Full blocks that running prompts are still computing: hash -> the seq_id computing it.
         self.promised: dict[bytes, int] = {}
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write, for the next step
+        # seq_id -> how many leading entries of its table it no longer holds (release_outside_window):
+        # their ids stay in the table, unread, so that positions keep their blocks' indices.
+        self.released: dict[int, int] = {}
 
     @property
     def free_block_ids(self) -> list[int]:
@@ -212,15 +215,19 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares all of `parent`'s blocks (parallel samples, beams)."""
         table = self.block_table(parent)
-        for block_id in table:
+        released = self.released.get(parent.seq_id, 0)
+        for block_id in table[released:]:
             self._ref(block_id)
+        if released:
+            self.released[child.seq_id] = released
         self.tables[child.seq_id] = list(table)
         self.hashes[child.seq_id] = list(self.block_hashes(parent))
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references. Unreferenced blocks join the free queue tail-first,
         so a sequence's later blocks are evicted before its earlier (more shareable) ones."""
-        for block_id in reversed(self.tables.pop(seq.seq_id, [])):
+        released = self.released.pop(seq.seq_id, 0)
+        for block_id in reversed(self.tables.pop(seq.seq_id, [])[released:]):
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed more often than owned"
@@ -229,6 +236,26 @@ class BlockManager:
         self.hashes.pop(seq.seq_id, None)
         if self.promised:  # a prompt freed before finishing breaks its promises
             self.promised = {h: owner for h, owner in self.promised.items() if owner != seq.seq_id}
+
+    def release_outside_window(self, seq: Sequence, window: int) -> int:
+        """Drop `seq`'s references to the blocks wholly before the sliding window of every token it
+        has still to compute (a model whose every layer attends to its last `window` keys only:
+        the token at position p reads keys > p - window, and p never falls below the next token to
+        compute). Their table entries stay (unread by the kernels), so later positions keep their
+        blocks. A cached block keeps its hash in the free queue. Returns how many were released."""
+        table = self.tables.get(seq.seq_id)
+        if not table:
+            return 0
+        done = self.released.get(seq.seq_id, 0)
+        outside = min(len(table), max(0, seq.num_computed_tokens - window + 1) // self.block_size)
+        for block_id in table[done:outside]:
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+        if outside > done:
+            self.released[seq.seq_id] = outside
+        return max(0, outside - done)
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
@@ -240,6 +267,8 @@ class BlockManager:
         bs = self.block_size
         for s in seqs:
             for i, block_id in enumerate(self.block_table(s)):
+                if i < self.released.get(s.seq_id, 0):
+                    continue
                 held = min(bs, max(0, s.num_computed_tokens - i * bs))
                 filled[block_id] = max(filled.get(block_id, 0), held)
         return sum(filled.values()) / (len(filled) * bs) if filled else 0.0

@@ -69,7 +69,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching, max_waiting_requests=config.max_waiting_requests,
             max_waiting_tokens=config.max_waiting_tokens, eos_token_ids=self.eos_token_ids,
-            num_speculative_tokens=spec.num_speculative_tokens if spec else 0),
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            sliding_window=self.model_config.kv_window),
             proposer=NgramProposer(spec) if spec else None)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.prompts = PromptProcessor(self.tokenizer, self.model_config.hf_config.vocab_size, self.max_model_len)

@@ -12,6 +12,7 @@ from streamer_kernels.cpu_features import fast_bfloat16
 from streamer.architectures import SUPPORTED_ARCHITECTURES, unsupported_message
 from streamer.errors import ConfigError
 from streamer.hf_config import load_hf_config
+from streamer.layers.attention import sliding_window
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,6 +30,8 @@ class ModelConfig:
     num_layers: int
     num_kv_heads: int
     head_size: int
+    # > 0: every layer attends to its last kv_window keys only, so the blocks before them can go
+    kv_window: int = 0
 
     @classmethod
     def load(cls, path: str, dtype: str | None, device: torch.device, max_model_len: int | None) -> ModelConfig:
@@ -56,7 +59,15 @@ class ModelConfig:
             num_layers=hf.num_hidden_layers,
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
             head_size=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            kv_window=_kv_window(hf),
         )
+
+
+def _kv_window(hf: Any) -> int:
+    """The window every layer keeps to (0 when some layer attends to every key: Gemma's global
+    layers, Qwen2's layers before max_window_layers)."""
+    windows = [sliding_window(hf, i) for i in range(hf.num_hidden_layers)]
+    return max(windows) if windows and min(windows) > 0 else 0
 
 
 def _resolve_dtype(name: str | None, hf: Any, device: torch.device) -> torch.dtype:

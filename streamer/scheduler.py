@@ -52,6 +52,7 @@ class SchedulerConfig:
     max_sessions: int = 4096  # sessions whose attained service is remembered (least recently served dropped)
     max_wait_rank_s: float | None = 30.0  # after this long waiting, a heavy session's call ranks as a fresh one
     num_speculative_tokens: int = 0  # drafts per decoding sequence and step, when a proposer is given
+    sliding_window: int = 0  # > 0: every layer attends to this many keys; blocks before them are released
 
 
 class Scheduler:
@@ -264,6 +265,8 @@ class Scheduler:
                 drafted[item.seq.seq_id] = len(item.spec_token_ids)
             self.service.add(item.seq.session, item.num_new_tokens)
             self.block_manager.cache_full_blocks(item.seq)
+            if self.config.sliding_window:
+                self.block_manager.release_outside_window(item.seq, self.config.sliding_window)
             for child in item.forks:  # parallel samples start from the computed prompt's blocks
                 self.block_manager.fork(item.seq, child)
                 self._start_running(child, item.seq.num_computed_tokens)
