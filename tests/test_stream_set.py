@@ -60,6 +60,13 @@ async def test_own_stream_then_the_urgent_lane_then_the_default(r: aioredis.Redi
 
 
 @pytest.mark.anyio
+async def test_before_it_reads_the_registry_a_worker_reads_its_own_stream_only(r: aioredis.Redis) -> None:
+    """A worker stopping before its first take leaves the groups of `names_read` (redis_worker._leave):
+    with no registry read yet, that is its own stream alone."""
+    assert StreamSet(r, NAMES, ME).names_read == [NAMES.worker_requests(ME)]
+
+
+@pytest.mark.anyio
 async def test_tenants_are_served_by_their_shares(r: aioredis.Redis, client: AsyncClient) -> None:
     await r.hset(NAMES.tenants, mapping={"small": 1, "big": 3})
     for i in range(12):
