@@ -77,9 +77,12 @@ def is_converted(path: Path) -> bool:
     return (path / _DONE_MARKER).is_file()
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = _stderr) -> Path:
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = _stderr, chat_template_required: bool = True,
+                 sampling_defaults: dict[str, float] | None = SAMPLING_DEFAULTS) -> Path:
     """Write config.json, model.safetensors, generation_config.json and the tokenizer (with its
-    chat template) read from one GGUF file into `out_dir`."""
+    chat template) read from one GGUF file into `out_dir`. Any architecture transformers' GGUF
+    reader knows (Llama, Qwen2, Qwen3, Gemma, ...), any tensor type it de-quantizes (F32, F16,
+    Q8_0, Q4_K, Q6_K, ...). `sampling_defaults`: the generation config's, None for none."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -88,19 +91,18 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = _stderr) -
     out_dir.mkdir(parents=True, exist_ok=True)
     progress("  reading tokenizer and config")
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
-    if not tokenizer.chat_template:
+    if not tokenizer.chat_template and chat_template_required:
         raise ModelNotFound(f"{gguf_path} has no chat template; reinstall it with `{INSTALL_HINT}`")
     config = AutoConfig.from_pretrained(src, gguf_file=name)
-    # The weights are stored in bfloat16 (the original checkpoint's dtype): dequantized 4-bit
-    # values lose nothing that matters, and the file is half the size of float32.
-    config.dtype = "bfloat16"
+    dtype = storage_dtype(gguf_path)
+    config.dtype = dtype
     # Bounded by what the model was trained for, not the GGUF reader's "unlimited" default.
     tokenizer.model_max_length = config.max_position_embeddings
     with torch.device("meta"):  # only used for its parameter names: no memory, no init
         skeleton = AutoModelForCausalLM.from_config(config)
     config.architectures = [type(skeleton).__name__]  # GGUF has no such field; loaders use it
     progress("  de-quantizing weights")
-    tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in dequantize(gguf_path, skeleton).items()}
+    tensors = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in dequantize(gguf_path, skeleton).items()}
     expected = set(skeleton.state_dict())
     if config.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -111,11 +113,25 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = _stderr) -
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
+    sampling = {"do_sample": True, **sampling_defaults} if sampling_defaults else {}
     GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id, do_sample=True, **SAMPLING_DEFAULTS,
+        pad_token_id=config.pad_token_id, **sampling,
     ).save_pretrained(str(out_dir))
     return out_dir
+
+
+def storage_dtype(gguf_path: Path) -> str:
+    """The dtype a converted GGUF is stored in: float32 or float16 where every weight matrix is
+    stored so (the values exactly), else bfloat16 (de-quantized 4- and 8-bit values lose nothing
+    that matters, at half the size of float32)."""
+    import gguf
+
+    types = {t.tensor_type for t in gguf.GGUFReader(str(gguf_path)).tensors if len(t.shape) > 1}
+    for name in ("F32", "F16"):
+        if types == {getattr(gguf.GGMLQuantizationType, name)}:
+            return {"F32": "float32", "F16": "float16"}[name]
+    return "bfloat16"
 
 
 def add_sampling_defaults(model_dir: Path) -> None:
@@ -148,24 +164,48 @@ def dequantize(gguf_path: Path, skeleton: Any) -> dict[str, Any]:
 
 
 def ensure_default_model(progress: Progress = _stderr, cache: Path | None = None) -> Path:
-    """The converted default model's directory, converting it on first use.
-
-    Safe when several processes start at once on a shared cache (e.g. scaled workers): each
-    converts into its own temporary directory and the first rename wins.
-    """
+    """The converted default model's directory, converting it on first use (_convert_once)."""
     target = default_model_dir(cache)
     if is_converted(target):
         add_sampling_defaults(target)
         return target
     gguf = find_gguf()
     progress(f"Preparing the default model {MODEL_NAME} (first run only) into {target}")
+    return _convert_once(gguf, target, f"{DIST_NAME}=={DIST_VERSION}/{GGUF_NAME}", progress)
+
+
+def gguf_model_dir(gguf_path: Path, cache: Path | None = None) -> Path:
+    """Where a GGUF file's conversion is kept: keyed by its path, size and modification time, so an
+    edited or replaced file is converted again."""
+    import hashlib
+
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return (cache or cache_dir()) / "models" / f"gguf-{gguf_path.stem}-{key}-v{FORMAT_VERSION}"
+
+
+def ensure_gguf_model(gguf_path: Path, progress: Progress = _stderr, cache: Path | None = None) -> Path:
+    """A llama.cpp GGUF file (`--model path/to/model.gguf`) as a checkpoint directory, converted once."""
+    target = gguf_model_dir(gguf_path, cache)
+    if is_converted(target):
+        return target
+    progress(f"Converting {gguf_path} (first run only) into {target}")
+    return _convert_once(gguf_path, target, str(gguf_path), progress, chat_template_required=False,
+                         sampling_defaults=None)
+
+
+def _convert_once(gguf: Path, target: Path, source: str, progress: Progress, **options: Any) -> Path:
+    """convert_gguf into `target` through a temporary directory and a rename.
+
+    Safe when several processes start at once on a shared cache (e.g. scaled workers): each
+    converts into its own temporary directory and the first rename wins.
+    """
     start = time.monotonic()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        convert_gguf(gguf, tmp, progress)
-        (tmp / _DONE_MARKER).write_text(json.dumps(
-            {"source": f"{DIST_NAME}=={DIST_VERSION}/{GGUF_NAME}", "format": FORMAT_VERSION}))
+        convert_gguf(gguf, tmp, progress, **options)
+        (tmp / _DONE_MARKER).write_text(json.dumps({"source": source, "format": FORMAT_VERSION}))
         # mkdtemp makes a private directory; a shared cache (one volume, several users) must be
         # readable by all.
         tmp.chmod(0o755)
@@ -188,7 +228,7 @@ def ensure_default_model(progress: Progress = _stderr, cache: Path | None = None
 def check_model_dir(path: Path) -> Path:
     """Fail with one line saying what to do unless `path` is a checkpoint the engine can load."""
     use = ("pass --model DIR of a Hugging Face checkpoint (config.json, *.safetensors, tokenizer "
-           "files), or leave --model out to use the built-in SmolLM2-135M-Instruct")
+           "files) or --model FILE.gguf, or leave --model out to use the built-in SmolLM2-135M-Instruct")
     if not path.exists():
         raise ModelNotFound(f"model path {path} does not exist: {use}")
     config_file = path / "config.json"
@@ -213,4 +253,9 @@ def resolve_model(model: str | os.PathLike | None, progress: Progress = _stderr)
     """`--model` as given (checked), or the default model when it is empty."""
     if model is None or str(model) == "":
         return ensure_default_model(progress)
-    return check_model_dir(Path(model).expanduser())
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotFound(f"GGUF file {path} does not exist: pass --model path/to/model.gguf of an existing file")
+        return check_model_dir(ensure_gguf_model(path, progress))
+    return check_model_dir(path)
