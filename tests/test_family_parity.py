@@ -1,7 +1,8 @@
 """Each model family of tests/families.py against transformers' greedy generate, token for token
 (float32), on the engine's paths: mixed prefill/decode steps with chunked prompts, the pure-torch
 reference backend under preemption, the Triton kernels under the interpreter, tensor parallelism;
-bfloat16's drift from float32 as test_engine_parity measures it."""
+log-probs as test_logprobs compares them; bfloat16's drift from float32 as test_engine_parity
+measures it."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from streamer import LLM, SamplingParams
 from streamer.random_checkpoint import build_checkpoint
 from tests.parity import MAX_TOKENS, hf_greedy, parity_prompts
 from tests.test_engine_parity import reference, run_engine
+from tests.test_logprobs import assert_entries_match, hf_logprobs
 from tests.test_tensor_parallel import MAX_TOKENS as TP_MAX_TOKENS
 from tests.test_tensor_parallel import PROMPT_LENGTHS, two_rounds
 
@@ -61,6 +63,16 @@ def test_tensor_parallel_matches_one_device_and_transformers(ckpt: Path) -> None
     assert stats["num_preemptions"] > 0 and cached > 0
     budgets = TP_MAX_TOKENS + [6] * len(second)
     assert [s[0] for s in got] == hf_greedy(ckpt, tuple(map(tuple, prompts + second)), tuple(budgets))
+
+
+def test_logprobs_equal_transformers(ckpt: Path) -> None:
+    """The chosen token's and the top 3 log-probs (raw: after Gemma 2's final soft-cap) at
+    test_logprobs' tolerance, on a prompt longer than Gemma's window."""
+    llm = LLM(str(ckpt), dtype="float32", num_kv_blocks=64)
+    for prompt in parity_prompts(512, seed=13)[2:4]:  # 17 and 40 tokens
+        out = llm.generate({"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True))[0].outputs[0]
+        assert_entries_match(out.logprobs, out.token_ids, hf_logprobs(ckpt, prompt, out.token_ids), k=3)
 
 
 def test_bfloat16_first_tokens_mostly_agree_with_float32(ckpt: Path) -> None:
