@@ -37,3 +37,8 @@ def reshape_and_cache_cpu(key: torch.Tensor, value: torch.Tensor, key_cache: tor
 
 def argmax_cpu(logits: torch.Tensor) -> torch.Tensor:
     return module().argmax_rows(logits)
+
+
+def nucleus_threshold_cpu(weights: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """As `nucleus_threshold_ref` (kernels/nucleus.py), for float32 rows on the CPU (csrc/nucleus_cpu.cpp)."""
+    return module().nucleus_threshold_rows(weights, limit)

@@ -5,12 +5,12 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", py::arg("query"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("window") = 0);
+        py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("decode_prefix_groups", &decode_prefix_groups, "sequences the decode kernel attends together (CPU)");
   m.def("paged_prefill_attention", &paged_prefill_attention, "paged prefill/extend attention (CPU)",
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("products") = "auto",
-        py::arg("out") = py::none(), py::arg("window") = 0);
+        py::arg("out") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("prefill_products", &prefill_products, "the prefill products this CPU runs for a dtype");
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual add + RMSNorm, in place (CPU)");
@@ -18,4 +18,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reshape_and_cache", &reshape_and_cache, "K/V rows into their cache slots (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (CPU)");
+  m.def("nucleus_threshold_rows", &nucleus_threshold_rows, "top-p's cut of each whole row, unsorted (CPU)");
 }

@@ -6,10 +6,10 @@
 #include <optional>
 
 // kernels/paged_attention.py: paged_decode_attention_ref (`window` > 0: each sequence's last
-// `window` positions only, none before them read)
+// `window` positions only, none before them read; `softcap` > 0: capped scores)
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                                     int64_t window);
+                                     int64_t window, double softcap);
 // The groups of sequences whose decodes the kernel above attends together over their shared
 // leading blocks (decode_shared_prefix_cpu.h): (members, shared blocks) each
 std::vector<std::pair<std::vector<int64_t>, int64_t>> decode_prefix_groups(torch::Tensor block_tables,
@@ -18,11 +18,12 @@ std::vector<std::pair<std::vector<int64_t>, int64_t>> decode_prefix_groups(torch
 // what the tiles multiply on (amx_packing_cpu.h): "auto" (the fastest here), "float32"
 // (register tiles, any CPU), "bf16_dot" (vdpbf16ps, AVX-512 BF16), "amx" (tile matrix unit).
 // `query`'s token rows may be strided; written into `out` (dense, the query's shape) when given.
-// `window` > 0: sliding-window attention (key tiles before every row's window are not read)
+// `window` > 0: sliding-window attention (key tiles before every row's window are not read);
+// `softcap` > 0: capped scores
 torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                       torch::Tensor block_tables, torch::Tensor query_start_loc,
                                       torch::Tensor seq_lens, double scale, const std::string& products,
-                                      std::optional<torch::Tensor> out, int64_t window);
+                                      std::optional<torch::Tensor> out, int64_t window, double softcap);
 // The `products` this CPU runs for a dtype, besides "auto"
 std::vector<std::string> prefill_products(torch::ScalarType dtype);
 // kernels/rms_norm.py: rms_norm_ref(x, weight, eps)
@@ -40,3 +41,5 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
                        torch::Tensor slot_mapping);
 // kernels/argmax.py: argmax_ref (float32 and bfloat16 rows)
 torch::Tensor argmax_rows(torch::Tensor logits);
+// kernels/nucleus.py: nucleus_threshold_ref (float32 weights, contiguous rows)
+torch::Tensor nucleus_threshold_rows(torch::Tensor weights, torch::Tensor limit);
