@@ -1,7 +1,7 @@
 """Speculative decoding (prompt lookup) on outputs that repeat their prompt: code edits.
 
     python bench/spec_decode.py [--model DIR] [--batches 1,4,8] [--repeats 2] [--k 4]
-                                [--vllm-python PY --anchors DIR]
+                                [--sampled] [--vllm-python PY --anchors DIR]
 
 The workload: edit requests over real Python functions (this repository's own engine code),
 "rename X to Y and return the whole function", through the model's chat template; a real model
@@ -9,8 +9,9 @@ The workload: edit requests over real Python functions (this repository's own en
 length is fixed to what the model writes greedily without drafts (ignore_eos at that length), so every
 run computes the same tokens. For each batch size B (B requests at once) streamer runs without and
 with drafts, alternating, `--repeats` times; the greedy outputs of both must be equal token for token
-(checked). With `--vllm-python`, vLLM's CPU build runs the same token ids through the anchors' offline
-script, without and with its own ngram speculative decoding. Output tok/s, ratios, acceptance.
+(checked); `--sampled` adds the same at the anchors' sampled rules. With `--vllm-python`, vLLM's CPU
+build runs the same token ids through the anchors' offline script, without and with its own ngram
+speculative decoding. Output tok/s, ratios, acceptance.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # bench/kernels.py must not shadow the `kernels` package
 
-from bench.vs_vllm import VLLM_FLAGS, wait_quiet  # noqa: E402
+from bench.vs_vllm import SAMPLED, VLLM_FLAGS, wait_quiet  # noqa: E402
 from streamer import LLMEngine, SamplingParams  # noqa: E402
 from streamer.config import EngineConfig  # noqa: E402
 from workers.default_model import resolve_model  # noqa: E402
@@ -74,11 +75,11 @@ def edit_prompts(engine: LLMEngine, count: int) -> list[list[int]]:
     return prompts
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], lengths: list[int] | None) -> dict:
-    """All prompts at once, greedy; lengths None: up to EOS (at most 256 tokens)."""
+def run(engine: LLMEngine, prompts: list[list[int]], lengths: list[int] | None, sampling: dict | None = None) -> dict:
+    """All prompts at once, greedy unless `sampling`; lengths None: up to EOS (at most 256 tokens)."""
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
-        params = SamplingParams(temperature=0.0, max_tokens=lengths[i] if lengths else 256,
+        params = SamplingParams(**(sampling or {"temperature": 0.0}), max_tokens=lengths[i] if lengths else 256,
                                 ignore_eos=lengths is not None)
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
@@ -94,7 +95,8 @@ def engine_for(model: Path, spec: dict | None) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model), dtype="float32", speculative_config=spec))
 
 
-def streamer_side(args: argparse.Namespace, prompts: list[list[int]], lengths: list[int], batch: int) -> dict:
+def streamer_side(args: argparse.Namespace, prompts: list[list[int]], lengths: list[int], batch: int,
+                  sampling: dict | None = None) -> dict:
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     engines = {"off": engine_for(args.model, None), "on": engine_for(args.model, spec)}
     times: dict[str, list[float]] = {"off": [], "on": []}
@@ -105,10 +107,10 @@ def streamer_side(args: argparse.Namespace, prompts: list[list[int]], lengths: l
         for name, engine in engines.items():
             engine.reset_prefix_cache()
             wait_quiet()
-            result = run(engine, prompts[:batch], lengths[:batch])
+            result = run(engine, prompts[:batch], lengths[:batch], sampling)
             times[name].append(result["output_tok_s"])
             outputs[name] = result["outputs"]
-    assert outputs["on"] == outputs["off"], "greedy outputs differ with drafts"
+    assert sampling or outputs["on"] == outputs["off"], "greedy outputs differ with drafts"
     stats = engines["on"].stats()
     for engine in engines.values():
         engine.shutdown()
@@ -148,6 +150,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--sampled", action="store_true",
+                    help="also streamer sampled (T 0.8, top-p 0.95, top-k 50) without and with drafts")
     ap.add_argument("--vllm-python", default=None, help="python of a vLLM CPU venv: run vLLM side by side")
     ap.add_argument("--anchors", default=None, help="folder holding bench_vllm.py (with --vllm-python)")
     args = ap.parse_args()
@@ -161,6 +165,8 @@ def main() -> None:
                       "prompt_tokens": [len(p) for p in prompts], "output_tokens": lengths}), flush=True)
     for batch in batches:
         row = {"batch": batch, "streamer": streamer_side(args, prompts, lengths, batch)}
+        if args.sampled:
+            row["streamer_sampled"] = streamer_side(args, prompts, lengths, batch, SAMPLED)
         if args.vllm_python:
             row["vllm"] = vllm_side(args, prompts, lengths, batch)
             if "on_tok_s" in row["vllm"]:
