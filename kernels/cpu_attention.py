@@ -16,15 +16,18 @@ __all__ = ["load", "paged_decode_attention_cpu", "paged_prefill_attention_cpu", 
 
 def paged_decode_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                               window: int = 0) -> torch.Tensor:
-    """`window` > 0: each sequence attends to its last `window` positions only (sliding window)."""
-    return module().paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, window)
+                               window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """`window` > 0: each sequence attends to its last `window` positions only (sliding window);
+    `softcap` > 0: scores capped by softcap * tanh(score / softcap)."""
+    return module().paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, window,
+                                           softcap)
 
 
 def paged_prefill_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                 block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                                 seq_lens: torch.Tensor, scale: float, products: str = "auto",
-                                out: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+                                out: torch.Tensor | None = None, window: int = 0,
+                                softcap: float = 0.0) -> torch.Tensor:
     """float32 and bfloat16. `query_start_loc` may be offset (the backend passes the rows after
     the step's decodes): only differences between its entries count. `products`: what the
     kernel's tiles multiply on, "auto" (the fastest this CPU has) or one of
@@ -32,10 +35,11 @@ def paged_prefill_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, va
     (vdpbf16ps, AVX-512 BF16), "amx" (bfloat16 on the tile matrix unit of CPUs with AMX).
     `query`'s token rows may be strided (a view of the fused QKV output is read in place); the
     result goes into `out` (contiguous, the query's shape and dtype) when given, and is returned.
-    `window` > 0: sliding-window attention; key tiles wholly before every row's window are skipped."""
+    `window` > 0: sliding-window attention; key tiles wholly before every row's window are skipped.
+    `softcap` > 0: scores capped by softcap * tanh(score / softcap)."""
     return module().paged_prefill_attention(query, key_cache, value_cache, block_tables,
                                             query_start_loc.to(torch.int32), seq_lens.to(torch.int32), scale,
-                                            products, out, window)
+                                            products, out, window, softcap)
 
 
 def prefill_products(dtype: torch.dtype) -> list[str]:

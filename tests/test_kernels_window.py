@@ -128,32 +128,51 @@ def _prefill_first_read(case: tuple, tile: int) -> list[int]:
     return [max(0, n - q - case[6] + 1) // tile * tile for n, q in zip(case[4], case[5])]
 
 
+@pytest.mark.parametrize("softcap", [0.0, SOFTCAP])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", DECODE_CASES)
-def test_cpu_decode_window(case: tuple, dtype: torch.dtype) -> None:
+def test_cpu_decode_window_and_softcap(case: tuple, dtype: torch.dtype, softcap: float) -> None:
     kv, query = _decode_inputs(case, dtype, "cpu", seed=3)
     scale = case[2] ** -0.5
     ref = paged_decode_attention_ref(query.float(), *(c.float() for c in kv.clean()), kv.block_tables,
-                                     kv.seq_lens, scale, window=case[5])
+                                     kv.seq_lens, scale, window=case[5], softcap=softcap)
     for b, first in enumerate(_decode_first_read(case)):
         _poison_before(kv, b, first)
     out = paged_decode_attention_cpu(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, scale,
-                                     window=case[5])
+                                     window=case[5], softcap=softcap)
     assert rel_err(out, ref) < ATTN_TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", PREFILL_CASES)
-def test_cpu_prefill_window(case: tuple, dtype: torch.dtype) -> None:
-    query, kv, qsl = _prefill_inputs(case, dtype, "cpu", seed=4)
+def test_cpu_decode_softcap_without_window(dtype: torch.dtype) -> None:
+    """Capped scores over whole contexts (Gemma 2's global layers), sequences sharing leading blocks
+    among them (the kernel attends such groups together only without a cap)."""
+    case = DECODE_CASES[0]
+    kv, query = _decode_inputs(case, dtype, "cpu", seed=9)
+    kv.block_tables[1, :1] = kv.block_tables[2, :1]  # a shared first block
     scale = case[2] ** -0.5
+    ref = paged_decode_attention_ref(query.float(), *(c.float() for c in kv.clean()), kv.block_tables,
+                                     kv.seq_lens, scale, softcap=SOFTCAP)
+    out = paged_decode_attention_cpu(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, scale,
+                                     softcap=SOFTCAP)
+    assert rel_err(out, ref) < ATTN_TOL[dtype]
+
+
+@pytest.mark.parametrize("softcap", [0.0, SOFTCAP])
+@pytest.mark.parametrize("window", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_cpu_prefill_window_and_softcap(case: tuple, dtype: torch.dtype, window: bool, softcap: float) -> None:
+    query, kv, qsl = _prefill_inputs(case, dtype, "cpu", seed=4)
+    scale, keys = case[2] ** -0.5, case[6] if window else 0
     ref = paged_prefill_attention_ref(query.float(), *(c.float() for c in kv.clean()), kv.block_tables, qsl,
-                                      kv.seq_lens, scale, window=case[6])
-    for b, first in enumerate(_prefill_first_read(case, CPU_TILE)):
-        _poison_before(kv, b, first)
+                                      kv.seq_lens, scale, window=keys, softcap=softcap)
+    if window:
+        for b, first in enumerate(_prefill_first_read(case, CPU_TILE)):
+            _poison_before(kv, b, first)
     for products in prefill_products(dtype):
         out = paged_prefill_attention_cpu(query, kv.key_cache, kv.value_cache, kv.block_tables, qsl, kv.seq_lens,
-                                          scale, products=products, window=case[6])
+                                          scale, products=products, window=keys, softcap=softcap)
         assert rel_err(out, ref) < ATTN_TOL[dtype], products
 
 

@@ -31,6 +31,7 @@ constexpr float kMasked = -1e30f;  // finite "minus infinity": the kernel is bui
 struct Shape {
   int64_t heads, kv_heads, group, D, Dp, block_size, max_blocks;  // Dp: D zero padded for the packing
   int64_t window = 0;  // > 0: a row at position p attends to keys (p - window, p] only
+  float softcap = 0.f;  // > 0: scaled scores s become softcap * tanh(s / softcap)
   int64_t positions_per_task() const { return std::max<int64_t>(1, kTaskRows / group); }
   int64_t max_rows() const { return (positions_per_task() * group + kW - 1) / kW * kW; }
 };
@@ -215,15 +216,17 @@ struct Workspace {  // a thread's (~100 KiB at head size 64: L2-resident)
 // them as pairs). `causal`: some key of the tile lies past some row's position, and is masked;
 // `window` > 0: keys at or before a row's position minus `window` are masked too. A row that has
 // seen only masked keys so far weighs them 1 against a max of kMasked; its first real key rescales
-// that to 0 (e^(kMasked - max)), and every row reaches its own position.
+// that to 0 (e^(kMasked - max)), and every row reaches its own position. `softcap` > 0: the scaled
+// scores are capped (before masking: a capped mask would be finite).
 template <typename Pack>
-void softmax_step(int64_t k0, int64_t n, int64_t Mp, int64_t Dp, bool causal, int64_t window, float scale, Rows& w,
-                  typename Pack::Buffers& b) {
+void softmax_step(int64_t k0, int64_t n, int64_t Mp, int64_t Dp, bool causal, int64_t window, float softcap,
+                  float scale, Rows& w, typename Pack::Buffers& b) {
   for (int64_t r0 = 0; r0 < Mp; r0 += kW) {
     const vfloat pos = vload(w.pos.data() + r0), old_max = vload(w.m.data() + r0);
     const vfloat lowest = pos - static_cast<float>(window);  // keys at or below it fall outside the window
-    auto score = [&](int64_t j) {
-      const vfloat x = vload(w.st.data() + j * Mp + r0);
+    auto score = [&](int64_t j) {  // scaled (and capped), masked
+      vfloat x = vload(w.st.data() + j * Mp + r0) * scale;
+      if (softcap > 0.f) x = vsoftcap(x, softcap);
       const float key = static_cast<float>(k0 + j);
       const vfloat y = causal ? (pos >= key ? x : kMasked) : x;
       return window > 0 ? (lowest < key ? y : kMasked) : y;
@@ -236,13 +239,12 @@ void softmax_step(int64_t k0, int64_t n, int64_t Mp, int64_t Dp, bool causal, in
     for (; key + 4 <= n; key += 4)
       for (int u = 0; u < 4; ++u) tops[u] = vmax(tops[u], score(key + u));
     for (; key < n; ++key) tops[0] = vmax(tops[0], score(key));
-    const vfloat raw_top = vmax(vmax(tops[0], tops[1]), vmax(tops[2], tops[3]));
-    const vfloat tile_top = raw_top * scale;  // scale > 0: the max of the scaled scores
+    const vfloat tile_top = vmax(vmax(tops[0], tops[1]), vmax(tops[2], tops[3]));
     const vfloat top = old_max > tile_top ? old_max : tile_top;
     vfloat sum{};
     for (int64_t j = 0; j < n; j += 2) {  // 0 where masked: every row has seen key 0 by now
-      const vfloat p0 = vexp(score(j) * scale - top);
-      const vfloat p1 = j + 1 < n ? vexp(score(j + 1) * scale - top) : vfloat{};
+      const vfloat p0 = vexp(score(j) - top);
+      const vfloat p1 = j + 1 < n ? vexp(score(j + 1) - top) : vfloat{};
       sum += p0 + p1;
       Pack::store_weights(j, n, r0, Mp, p0, p1, w.st.data(), b);
     }
@@ -293,7 +295,7 @@ void attend_tiles(QRow q_row, int64_t M, TileFn tile, int64_t keys, int64_t min_
     const int64_t n = std::min(Pack::kKeys, keys - k0);
     const auto [k, v] = tile(k0, n);
     Pack::scores(n, Mp, sh, k, w.buffers, rows.st.data());
-    softmax_step<Pack>(k0, n, Mp, Dp, k0 + n - 1 > min_pos, sh.window, score_scale, rows, w.buffers);
+    softmax_step<Pack>(k0, n, Mp, Dp, k0 + n - 1 > min_pos, sh.window, sh.softcap, score_scale, rows, w.buffers);
     Pack::weighted_values(n, Mp, sh, rows.st.data(), v, w.buffers, rows.o.data());
   }
 }

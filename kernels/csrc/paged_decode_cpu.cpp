@@ -82,14 +82,17 @@ __attribute__((always_inline)) inline vfloat reduce_lanes(const vfloat* p) {
 constexpr int kMaxChunks = 16;  // head size up to 16 vectors (256 floats with AVX-512)
 
 // The online softmax and the values of one query head over kW positions, from its kW vectors of
-// partial dot products (lane sums, times `scale`, are the scores; positions past n weigh 0):
-// updates its running max, sum and accumulator (`acc`, C vectors).
+// partial dot products (lane sums, times `scale`, are the scores, capped by `softcap` when it is
+// > 0; positions past n weigh 0): updates its running max, sum and accumulator (`acc`, C vectors).
 template <int C>
-__attribute__((always_inline)) inline void softmax_values(const vfloat* p, float scale, const float* const* vrow,
-                                                          int64_t n, float& m, float& l, float* acc) {
+__attribute__((always_inline)) inline void softmax_values(const vfloat* p, float scale, float softcap,
+                                                          const float* const* vrow, int64_t n, float& m, float& l,
+                                                          float* acc) {
   vint lane;
   for (int j = 0; j < kW; ++j) lane[j] = j;
-  const vfloat scores = lane < static_cast<int>(n) ? reduce_lanes(p) * scale : -1e30f;  // finite: -ffast-math
+  vfloat raw = reduce_lanes(p) * scale;
+  if (softcap > 0.f) raw = vsoftcap(raw, softcap);
+  const vfloat scores = lane < static_cast<int>(n) ? raw : -1e30f;  // finite: -ffast-math
   const float block_max = std::max(m, hmax(scores));
   const vfloat e = vexp(scores - block_max);
   const float rescale = vexp(vfloat{} + (m - block_max))[0];  // 0 on the first positions
@@ -108,8 +111,8 @@ __attribute__((always_inline)) inline void softmax_values(const vfloat* p, float
 // rows in float32 and the query scaled. C is a template parameter so that the query and the
 // accumulator stay in registers and every loop unrolls.
 template <int C>
-void attend_positions(const float* q, float, const void* const* krows, const float* const* vrow, int64_t n, float& m,
-                      float& l, float* acc) {
+void attend_positions(const float* q, float, float softcap, const void* const* krows, const float* const* vrow,
+                      int64_t n, float& m, float& l, float* acc) {
   const float* const* krow = reinterpret_cast<const float* const*>(krows);
   vfloat qv[C], p[kW];
   for (int c = 0; c < C; ++c) qv[c] = vload(q + c * kW);
@@ -118,10 +121,10 @@ void attend_positions(const float* q, float, const void* const* krows, const flo
     for (int c = 1; c < C; ++c) a += qv[c] * vload(krow[j] + c * kW);
     p[j] = a;
   }
-  softmax_values<C>(p, 1.f, vrow, n, m, l, acc);
+  softmax_values<C>(p, 1.f, softcap, vrow, n, m, l, acc);
 }
 
-using AttendFn = void (*)(const float*, float, const void* const*, const float* const*, int64_t, float&, float&,
+using AttendFn = void (*)(const float*, float, float, const void* const*, const float* const*, int64_t, float&, float&,
                           float*);
 
 template <int... I>
@@ -136,8 +139,8 @@ constexpr auto kAttend = attend_table(std::make_integer_sequence<int, kMaxChunks
 // (vdpbf16ps: exact products summed in float32, 32 values an instruction, the K rows never
 // widened), scaled after the lane sums; V widened as before. C2: vectors of 32 values a head.
 template <int C2>
-void attend_positions_dot(const float* q, float scale, const void* const* krows, const float* const* vrow, int64_t n,
-                          float& m, float& l, float* acc) {
+void attend_positions_dot(const float* q, float scale, float softcap, const void* const* krows,
+                          const float* const* vrow, int64_t n, float& m, float& l, float* acc) {
   const uint32_t* const* krow = reinterpret_cast<const uint32_t* const*>(krows);
   const uint32_t* qw = reinterpret_cast<const uint32_t*>(q);  // here the raw bfloat16 query row
   __m512bh qv[C2];
@@ -148,7 +151,7 @@ void attend_positions_dot(const float* q, float scale, const void* const* krows,
     for (int c = 1; c < C2; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(krow[j] + c * 16));
     p[j] = (vfloat)a;
   }
-  softmax_values<2 * C2>(p, scale, vrow, n, m, l, acc);
+  softmax_values<2 * C2>(p, scale, softcap, vrow, n, m, l, acc);
 }
 
 template <int... I>
@@ -165,11 +168,13 @@ constexpr bool kDecodeDot = false;
 template <typename scalar_t>
 void decode_vec(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* block_tables,
                 const int32_t* seq_lens, scalar_t* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                int64_t head_size, int64_t block_size, int64_t max_blocks, float scale, int64_t window) {
+                int64_t head_size, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
+                float softcap) {
   // A sliding window reads each sequence's last positions only: shared leading blocks, if any,
-  // lie mostly before the windows, so no sequences are grouped.
+  // lie mostly before the windows, so no sequences are grouped; nor with soft-capped scores, which
+  // the grouped kernel does not cap.
   const PrefixStates prefix =
-      window > 0 ? PrefixStates{std::vector<int64_t>(num_seqs, 0), {}, {}, {}}
+      window > 0 || softcap > 0.f ? PrefixStates{std::vector<int64_t>(num_seqs, 0), {}, {}, {}}
                  : attend_shared_prefixes(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, num_heads,
                                           num_kv_heads, head_size, block_size, max_blocks, scale);
   const int64_t group = num_heads / num_kv_heads, D = head_size, chunks = D / kW;
@@ -233,7 +238,7 @@ void decode_vec(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
             vhead[j] = vrow[j] + (j < n ? off : 0);
           }
           const float* qh = dot ? reinterpret_cast<const float*>(q + (b * num_heads + h) * D) : st.qf.data() + h * D;
-          attend(qh, scale, khead, vhead, n, st.m[h], st.l[h], st.acc.data() + h * D);
+          attend(qh, scale, softcap, khead, vhead, n, st.m[h], st.l[h], st.acc.data() + h * D);
         }
       }
       st.finish(out + b * num_heads * D);
@@ -258,7 +263,7 @@ std::vector<std::pair<std::vector<int64_t>, int64_t>> decode_prefix_groups(torch
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                                     int64_t window) {
+                                     int64_t window, double softcap) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [B,H,D], caches [N,BS,KVH,D]");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
               "block_tables and seq_lens must be int32");
@@ -278,7 +283,8 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
       if (vector_path) kernel = &decode_vec<scalar_t>;
     kernel(query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
                      block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), B, H,
-                     KVH, D, BS, block_tables.size(1), static_cast<float>(scale), window);
+                     KVH, D, BS, block_tables.size(1), static_cast<float>(scale), window,
+                     static_cast<float>(softcap));
   });
   return out;
 }

@@ -15,7 +15,8 @@ namespace paged_decode {
 template <typename scalar_t>
 void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* block_tables,
             const int32_t* seq_lens, scalar_t* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-            int64_t head_size, int64_t block_size, int64_t max_blocks, float scale, int64_t window) {
+            int64_t head_size, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
+            float softcap) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t D = head_size;
   const int64_t row_size = num_kv_heads * D;  // one position, all KV heads: contiguous
@@ -83,6 +84,8 @@ void decode(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
         }
         for (int64_t h = 0; h < num_heads; ++h) {
           float* sh = s.data() + h * block_size;
+          if (softcap > 0.f)
+            for (int64_t j = 0; j < n; ++j) sh[j] = softcap * std::tanh(sh[j] / softcap);
           float block_max = sh[0];
 #pragma omp simd reduction(max : block_max)
           for (int64_t j = 1; j < n; ++j) block_max = std::max(block_max, sh[j]);

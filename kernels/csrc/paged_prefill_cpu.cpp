@@ -217,7 +217,7 @@ std::vector<std::string> prefill_products(torch::ScalarType dtype) {
 torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                       torch::Tensor block_tables, torch::Tensor query_start_loc,
                                       torch::Tensor seq_lens, double scale, const std::string& products,
-                                      std::optional<torch::Tensor> out, int64_t window) {
+                                      std::optional<torch::Tensor> out, int64_t window, double softcap) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [T,H,D], caches [N,BS,KVH,D]");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
                   query_start_loc.scalar_type() == torch::kInt32,
@@ -241,7 +241,8 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cac
     TORCH_CHECK(starts[b + 1] >= starts[b] && lens[b] >= starts[b + 1] - starts[b] &&
                     (lens[b] + key_cache.size(1) - 1) / key_cache.size(1) <= block_tables.size(1),
                 "sequence ", b, ": its new tokens exceed its length or its length its block table");
-  const Shape sh{H, KVH, H / KVH, D, 0, key_cache.size(1), block_tables.size(1), std::max<int64_t>(0, window)};
+  const Shape sh{H, KVH, H / KVH, D, 0, key_cache.size(1), block_tables.size(1), std::max<int64_t>(0, window),
+                 static_cast<float>(softcap)};
   const attention_rows::Products choice = attention_rows::parse_products(products);
   if (out) {
     TORCH_CHECK(out->is_contiguous() && out->sizes() == query.sizes() && out->scalar_type() == query.scalar_type(),

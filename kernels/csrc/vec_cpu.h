@@ -102,6 +102,15 @@ inline vfloat vexp(vfloat x) {
 }
 #endif
 
+// cap * tanh(x / cap), lane by lane (Gemma 2's soft-capped scores): tanh(y) = 1 - 2 / (e^(2y) + 1),
+// 2y clamped to +-80, where tanh is +-1 in float and e^(2y) stays finite.
+inline vfloat vsoftcap(vfloat x, float cap) {
+  vfloat y2 = x * (2.f / cap);
+  y2 = y2 > 80.f ? 80.f : y2;
+  y2 = y2 < -80.f ? -80.f : y2;
+  return cap * (1.f - 2.f / (vexp(y2) + 1.f));
+}
+
 // Sum and max of a vector's lanes.
 inline float hsum(vfloat v) {
 #if defined(__AVX512F__)

@@ -2,9 +2,9 @@
 (C++ in kernels/csrc/), the torch references for the rest. Attention reads K/V in place through
 the block table instead of gathering a dense copy first; RMSNorm, rotary, SiLU-and-mul and the
 cache write are one pass each instead of 2-8 ATen ops. Falls back to the references where the
-kernels cannot be built, for float16 (the kernels do float32 and bfloat16, rounding bfloat16
-where the references round), and for soft-capped scores (Gemma 2's attention: not compiled yet).
-Sliding windows are compiled: keys before a query's window are not read."""
+kernels cannot be built, and for float16 (the kernels do float32 and bfloat16, rounding bfloat16
+where the references round). Sliding windows (keys before a query's window are not read) and
+soft-capped scores (Gemma 2) are compiled too."""
 
 from __future__ import annotations
 
@@ -36,19 +36,20 @@ class CpuBackend(TorchBackend):
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
                out: torch.Tensor, window: int = 0, softcap: float = 0.0) -> None:
-        if not self.compiled or softcap:
+        if not self.compiled:
             return super().decode(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, out,
                                   window, softcap)
-        out.copy_(paged_decode_attention_cpu(query, key_cache, value_cache, block_tables, seq_lens, scale, window))
+        out.copy_(paged_decode_attention_cpu(query, key_cache, value_cache, block_tables, seq_lens, scale, window,
+                                             softcap))
 
     def prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                 max_query_len: int, out: torch.Tensor, window: int = 0, softcap: float = 0.0) -> None:
-        if not self._fast(query) or softcap:
+        if not self._fast(query):
             return super().prefill(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
                                    max_query_len, out, window, softcap)
         paged_prefill_attention_cpu(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
-                                    out=out, window=window)
+                                    out=out, window=window, softcap=softcap)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
