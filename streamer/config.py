@@ -69,7 +69,10 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
-        SpeculativeConfig.from_dict(self.speculative_config)
+        spec = SpeculativeConfig.from_dict(self.speculative_config)
+        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
+            raise ConfigError("a draft model runs with tensor_parallel_size 1 only (use the ngram method with "
+                              "tensor parallelism)")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

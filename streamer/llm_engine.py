@@ -29,7 +29,7 @@ from streamer.sampler import Sampler
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler import Scheduler, SchedulerConfig
 from streamer.scheduler_output import SchedulerOutput
-from streamer.spec_decode.ngram_proposer import NgramProposer
+from streamer.spec_decode.proposer import make_proposer
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -64,6 +64,8 @@ class LLMEngine:
         # A sequence can never outgrow the whole cache, so cap its length there.
         self.max_model_len = min(self.model_config.max_model_len, self.runner.num_kv_blocks * config.block_size)
         spec = config.speculative
+        self.proposer = make_proposer(config, spec, self.model_config, self.device, self.runner.num_kv_blocks) \
+            if spec else None
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=self.runner.num_kv_blocks, block_size=config.block_size, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -71,7 +73,7 @@ class LLMEngine:
             max_waiting_tokens=config.max_waiting_tokens, eos_token_ids=self.eos_token_ids,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             sliding_window=self.model_config.kv_window),
-            proposer=NgramProposer(spec) if spec else None)
+            proposer=self.proposer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.prompts = PromptProcessor(self.tokenizer, self.model_config.hf_config.vocab_size, self.max_model_len)
         self.step_records: deque[StepRecord] = deque(maxlen=STEP_RECORDS)  # take_step_records() drains it
@@ -199,6 +201,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the model's processes (tensor parallelism, grammar compiles); the engine is unusable afterwards."""
         self.runner.shutdown()
+        if self.proposer is not None:
+            self.proposer.shutdown()
         if self._grammars is not None:
             self._grammars.close()
 

@@ -35,7 +35,7 @@ from streamer.waiting_queue import AttainedService, WaitingQueue
 
 if TYPE_CHECKING:
     from streamer.sampler import SamplerOutput
-    from streamer.spec_decode.ngram_proposer import NgramProposer
+    from streamer.spec_decode.proposer import Proposer
 
 
 @dataclass
@@ -57,7 +57,7 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic,
-                 proposer: NgramProposer | None = None) -> None:
+                 proposer: Proposer | None = None) -> None:
         self.config = config
         self.proposer = proposer
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -145,6 +145,7 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        guesses = self._guesses(budget)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -152,7 +153,7 @@ class Scheduler:
             if num_new == 0 or not self._mask_ready(seq):  # a beam waiting for its siblings, or for its token mask
                 i += 1
                 continue
-            drafts = self._drafts(seq, num_new, budget)
+            drafts = guesses.get(seq, [])[:budget - num_new]
             if drafts and not self.block_manager.allocate(seq, num_new + len(drafts)):
                 drafts = []  # short of blocks: decode without guessing before preempting anyone
             if not drafts and not self._make_room(seq, num_new, out):
@@ -173,16 +174,23 @@ class Scheduler:
                 return False
         return True
 
-    def _drafts(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
-        """Guessed next tokens of a decoding sequence, as many as the budget, the model's length and
-        the request's max_tokens leave room for (a draft past the end would be thrown away)."""
-        if self.proposer is None or num_new != 1 or seq.num_computed_tokens < seq.num_prompt_tokens \
-                or seq.seq_id in self._forks or not can_verify(seq):
-            return []
-        max_tokens = seq.params.max_tokens
-        room = min(self.config.num_speculative_tokens, budget - 1, self.config.max_model_len - seq.num_tokens,
-                   max_tokens - seq.num_output_tokens - 1 if max_tokens is not None else budget)
-        return self.proposer.propose(seq.token_ids, room)
+    def _guesses(self, budget: int) -> dict[Sequence, list[int]]:
+        """Guessed next tokens of the decoding sequences that may draft (all asked at once: a draft
+        model guesses for all of them in one batch), as many as the budget, the model's length and
+        each request's max_tokens leave room for (a draft past the end would be thrown away)."""
+        if self.proposer is None:
+            return {}
+        wanted = {}
+        for seq in self.running:
+            if seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_computed_tokens < seq.num_prompt_tokens \
+                    or seq.seq_id in self._forks or not can_verify(seq):
+                continue
+            max_tokens = seq.params.max_tokens
+            room = min(self.config.num_speculative_tokens, budget - 1, self.config.max_model_len - seq.num_tokens,
+                       max_tokens - seq.num_output_tokens - 1 if max_tokens is not None else budget)
+            if room > 0:
+                wanted[seq] = room
+        return self.proposer.propose_many(wanted) if wanted else {}
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager

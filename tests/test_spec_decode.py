@@ -276,3 +276,56 @@ def test_tensor_parallel_ranks_verify_the_drafts_rank_0_makes(llama_ckpt):
     assert [o.outputs[0].token_ids for o in got] == \
         hf_greedy(llama_ckpt, tuple(map(tuple, prompts)), (MAX,) * 3, ignore_eos=True)
     assert_drafts_were_kept(stats)
+
+
+# ---- a draft model -----------------------------------------------------------------------------
+def draft(path: Path, k: int = 3) -> dict:
+    return {"model": str(path), "num_speculative_tokens": k}
+
+
+@pytest.mark.parametrize("batching", [
+    dict(max_num_batched_tokens=160, num_kv_blocks=512),
+    dict(block_size=16, num_kv_blocks=56, max_num_batched_tokens=512),  # preemption
+    dict(max_num_batched_tokens=16, num_kv_blocks=256),  # the draft's catch-up chunked too
+])
+def test_a_draft_model_that_is_the_target_guesses_every_greedy_token(llama_ckpt, batching):
+    """The target as its own draft: every guess is the target's own choice, so nearly all are kept,
+    and the output is transformers' token for token (numerics of the batches differ, nothing else)."""
+    prompts = looping_prompts(512)
+    got, stats = generate(llama_ckpt, prompts, [greedy()] * len(prompts), speculative_config=draft(llama_ckpt),
+                          **batching)
+    assert [o.outputs[0].token_ids for o in got] == \
+        hf_greedy(llama_ckpt, tuple(map(tuple, prompts)), (MAX,) * len(prompts), ignore_eos=True)
+    assert stats["spec_decode_num_accepted_tokens"] >= 0.95 * stats["spec_decode_num_draft_tokens"] > 0
+    if batching["num_kv_blocks"] == 56:
+        assert stats["num_preemptions"] > 0
+
+
+def test_a_different_draft_model_changes_nothing_but_the_speed(llama_ckpt, tmp_path):
+    from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
+
+    other = build_checkpoint(tmp_path / "draft", TinyModelSpec(arch="llama", num_hidden_layers=1), seed=5)
+    prompts = looping_prompts(512)[-4:]
+    params = [greedy(), greedy(n=2), SamplingParams(temperature=0.8, top_k=20, max_tokens=MAX, ignore_eos=True,
+                                                    seed=3), greedy()]
+    got, stats = generate(llama_ckpt, prompts, params, num_kv_blocks=256, speculative_config=draft(other, 4))
+    want = hf_greedy(llama_ckpt, tuple(map(tuple, prompts)), (MAX,) * 4, ignore_eos=True)
+    assert [got[i].outputs[0].token_ids for i in (0, 1, 3)] == [want[i] for i in (0, 1, 3)]
+    assert got[1].outputs[1].token_ids == want[1]
+    assert len(got[2].outputs[0].token_ids) == MAX
+    assert stats["spec_decode_num_draft_tokens"] > 0 and stats["kv_blocks_used"] == 0
+
+
+def test_draft_model_config_is_checked(llama_ckpt, tmp_path):
+    from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
+
+    with pytest.raises(ConfigError, match="draft_model method takes a draft checkpoint"):
+        SpeculativeConfig.from_dict({"method": "draft_model"})
+    with pytest.raises(ConfigError, match="ngram takes none"):
+        SpeculativeConfig.from_dict({"method": "ngram", "model": "x"})
+    assert SpeculativeConfig.from_dict({"model": "x"}).method == "draft_model"  # as vLLM infers it
+    with pytest.raises(ConfigError, match="tensor_parallel_size 1"):
+        LLM(str(llama_ckpt), tensor_parallel_size=2, speculative_config=draft(llama_ckpt))
+    wide = build_checkpoint(tmp_path / "wide", TinyModelSpec(arch="llama", vocab_size=640), seed=5)
+    with pytest.raises(ConfigError, match="vocabulary"):
+        LLM(str(llama_ckpt), dtype="float32", num_kv_blocks=64, speculative_config=draft(wide))

@@ -7,19 +7,22 @@ from typing import Any
 
 from streamer.errors import ConfigError
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """`method` "ngram": prompt lookup. The last `prompt_lookup_max` .. `prompt_lookup_min` tokens of a
     sequence are looked up in its own earlier tokens (prompt and output); the tokens that followed the
-    most recent match are the guess, at most `num_speculative_tokens` of them."""
+    most recent match are the guess, at most `num_speculative_tokens` of them. "draft_model": `model`,
+    a smaller checkpoint of the same tokenizer, decodes them greedily (the method vLLM infers when
+    only `model` is given, as here)."""
 
-    method: str = "ngram"
+    method: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    model: str | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -36,6 +39,8 @@ class SpeculativeConfig:
         return cls(**data)
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            object.__setattr__(self, "method", "draft_model" if self.model else "ngram")
         checks = [
             (self.method in METHODS, f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}"),
             (isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 16,
@@ -43,6 +48,8 @@ class SpeculativeConfig:
             (isinstance(self.prompt_lookup_min, int) and isinstance(self.prompt_lookup_max, int)
              and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64,
              "prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max <= 64"),
+            ((self.method == "draft_model") == isinstance(self.model, str) and self.model != "",
+             "the draft_model method takes a draft checkpoint directory as `model`; ngram takes none"),
         ]
         for ok, message in checks:
             if not ok:

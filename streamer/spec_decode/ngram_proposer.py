@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from streamer.request import Sequence
 from streamer.spec_decode.config import SpeculativeConfig
 
 
@@ -17,6 +18,12 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
+
+    def propose_many(self, wanted: dict[Sequence, int]) -> dict[Sequence, list[int]]:
+        return {seq: self.propose(seq.token_ids, k) for seq, k in wanted.items()}
+
+    def shutdown(self) -> None:
+        """Nothing held."""
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         """Up to `k` tokens that followed the most recent earlier occurrence of the longest suffix
