@@ -118,7 +118,9 @@ TARGETS: dict[str, Target] = {
     "job": Target("workers/worker/job.py", ("tests/test_worker_deliveries.py", "tests/test_worker_bad_input.py",
                                             "tests/test_dead_letters.py")),
     "intake": Target("workers/worker/intake.py", ("tests/test_worker_deliveries.py", "tests/test_worker_bad_input.py")),
-    "reclaim": Target("workers/worker/reclaim.py", ("tests/test_worker_deliveries.py", "tests/test_bounded_redis.py")),
+    # test_adoption.py: jobs routed to a dead or stalled worker taken over, a dead worker's stream removed.
+    "reclaim": Target("workers/worker/reclaim.py", ("tests/test_adoption.py", "tests/test_worker_deliveries.py",
+                                                    "tests/test_bounded_redis.py")),
     # The gateway, with the worker's side played by the tests (no model) except test_openai_api.py.
     "admission": Target("workers/gateway/admission.py", ("tests/test_admission.py", "tests/test_gateway_limits.py")),
     "tenants": Target("workers/gateway/tenants.py", ("tests/test_tenant_rules.py", "tests/test_gateway_tenants.py")),

@@ -1,0 +1,100 @@
+"""Jobs routed to a worker that cannot serve them (workers/worker/reclaim.py, docs/scheduling.md): a
+live worker's reclaimer takes those of a dead worker (no fresh heartbeat) and those a live worker has
+left unread for longer than claim_idle_s (stalled), and removes a dead worker's stream, its load and its
+advertised prefixes once the stream is empty and the worker has been gone for consumer_idle_s. Real
+redis-server and a real in-process worker on the tiny Llama; the other workers are played by the test
+(their heartbeats, streams and groups), as test_bounded_redis.py plays crashed consumers."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import anyio
+import pytest
+import redis
+from redis_worker_helpers import (
+    check_complete,
+    has_ended,
+    long_context_checkpoint,
+    read_events,
+    running_worker,
+    wait_for,
+)
+
+from clients.protocol import Names, encode_job
+from clients.redis_client import AsyncClient
+
+NAMES = Names()
+CLAIM_IDLE_S = 0.4  # the reclaimer looks every 0.2 s
+SHORT = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+LONG = {"max_tokens": 8000, "temperature": 0.0, "ignore_eos": True}  # runs until cancelled
+
+
+def now_ms(r: redis.Redis) -> int:
+    seconds, micros = r.time()
+    return seconds * 1000 + micros // 1000
+
+
+def routed_to(r: redis.Redis, worker: str, request_id: str, last_beat_ms: int, params: dict,
+              entry_id: str = "*") -> None:
+    """A job routed to `worker`, which registered its stream (with its last beat) and made its group
+    there before it stopped reading."""
+    stream = NAMES.worker_requests(worker)
+    r.xgroup_create(stream, NAMES.group, id="0", mkstream=True)
+    r.zadd(NAMES.worker_streams, {worker: last_beat_ms})
+    r.xadd(stream, encode_job({"id": request_id, "prompt": "hi", "params": params}), id=entry_id)
+
+
+@pytest.mark.anyio
+async def test_a_dead_workers_job_is_served_and_its_stream_removed_once_empty(
+        redis_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The jobs run here as seats allow (one seat: the second is taken only once the first is
+    answered); while one runs (its entry pending in the dead worker's stream) the stream stays, and once
+    both are answered the stream, the worker's load and its prefixes go."""
+    caplog.set_level(logging.INFO, logger="streamer.worker")
+    r = redis.Redis.from_url(redis_url)
+    routed_to(r, "ghost", "for-ghost", now_ms(r) - 60_000, LONG)  # its last beat a minute ago
+    r.xadd(NAMES.worker_requests("ghost"), encode_job({"id": "second", "prompt": "hi", "params": SHORT}))
+    r.hset(NAMES.loads, "ghost", 3)
+    r.sadd(NAMES.worker_prefixes("ghost"), "a-digest")
+    ckpt = long_context_checkpoint(tmp_path / "ckpt")  # room for a job that outlasts the looks below
+    async with running_worker(ckpt, redis_url, engine={"num_kv_blocks": 1100, "max_num_seqs": 1},
+                              claim_idle_s=CLAIM_IDLE_S,
+                              consumer_idle_s=1.0) as worker, AsyncClient(redis_url) as client:
+        await wait_for(lambda: len(read_events(redis_url, "for-ghost")) > 2, timeout=30)
+        await wait_for(lambda: "routed to dead worker ghost" in caplog.text, timeout=5)
+        held = r.xpending(NAMES.worker_requests("ghost"), NAMES.group)
+        assert held["pending"] == 1 and held["consumers"] == [{"name": worker.cfg.consumer.encode(), "pending": 1}]
+        await anyio.sleep(3 * CLAIM_IDLE_S)  # several looks of the reclaimer while the job runs
+        running = not has_ended(redis_url, "for-ghost")
+        assert r.exists(NAMES.worker_requests("ghost")) and r.zscore(NAMES.worker_streams, "ghost") is not None
+        assert r.xpending(NAMES.worker_requests("ghost"), NAMES.group)["pending"] == 1  # no seat: not taken
+        assert not read_events(redis_url, "second")
+        await client.cancel("for-ghost")
+        await wait_for(lambda: r.zscore(NAMES.worker_streams, "ghost") is None, timeout=15)
+    assert running, "the job ended before the looks: the test saw no pending entry"
+    assert [check_complete(read_events(redis_url, rid))["type"] for rid in ("for-ghost", "second")] == ["done"] * 2
+    assert caplog.text.count("took 1 job(s) routed to dead worker ghost") == 2
+    assert "removing the request stream of worker ghost, gone for good" in caplog.text
+    assert r.exists(NAMES.worker_requests("ghost"), NAMES.worker_prefixes("ghost")) == 0
+    assert r.hget(NAMES.loads, "ghost") is None
+    r.close()
+
+
+@pytest.mark.anyio
+async def test_a_job_a_live_worker_left_unread_past_claim_idle_is_taken(
+        llama_ckpt: Path, redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A worker that beats but has not read a job routed to it for longer than claim_idle_s (stalled)
+    loses it to a worker with room; its stream, alive, stays."""
+    caplog.set_level(logging.INFO, logger="streamer.worker")
+    r = redis.Redis.from_url(redis_url)
+    r.zadd(NAMES.heartbeats, {"slow": now_ms(r) + 60_000})  # beating, however long the test takes
+    routed_to(r, "slow", "for-slow", now_ms(r), SHORT, entry_id=f"{now_ms(r) - 10_000}-0")  # 10 s unread
+    # One seat: a worker with room for exactly one job takes it.
+    async with running_worker(llama_ckpt, redis_url, engine={"max_num_seqs": 1}, claim_idle_s=CLAIM_IDLE_S):
+        await wait_for(lambda: has_ended(redis_url, "for-slow"), timeout=30)
+    assert check_complete(read_events(redis_url, "for-slow"))["type"] == "done"
+    assert "took 1 job(s) routed to stalled worker slow" in caplog.text
+    assert r.zscore(NAMES.worker_streams, "slow") is not None and r.exists(NAMES.worker_requests("slow"))
+    r.close()
