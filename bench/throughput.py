@@ -52,10 +52,10 @@ def run_streamer(ckpt: Path, work: Workload, dtype: str, max_num_seqs: int, max_
             "preemptions": engine.stats()["num_preemptions"]}
 
 
-def run_hf(ckpt: Path, work: Workload, dtype: str, batch: int) -> dict:
+def run_hf(ckpt: Path, work: Workload, dtype: str, batch: int, device: str = "cpu") -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=getattr(torch, dtype)).to(device).eval()
     useful = 0
     with task(f"requests (transformers, batches of {batch})", total=len(work.prompts)) as bar:
         start = time.perf_counter()
@@ -63,8 +63,8 @@ def run_hf(ckpt: Path, work: Workload, dtype: str, batch: int) -> dict:
             prompts = work.prompts[b:b + batch]
             outs = work.output_lens[b:b + batch]
             width = max(map(len, prompts))
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
             with torch.no_grad():
                 model.generate(ids, attention_mask=mask, max_new_tokens=max(outs), min_new_tokens=max(outs),
                                do_sample=False, pad_token_id=0)

@@ -99,7 +99,10 @@ def start_worker(ckpt: Path, url: str, args: argparse.Namespace) -> subprocess.P
            "--max-num-seqs", str(opts["max_num_seqs"]), "--log-level", "WARNING"]
     cmd += ["--num-kv-blocks", str(args.kv_blocks)] if args.kv_blocks else []
     cmd += ["--dtype", args.dtype] if args.dtype else []
-    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    # ROOT first, and whatever PYTHONPATH already holds after it (bench/gpu_check.sh puts the kernels'
+    # import name and the carried packages there).
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": path})
 
 
 async def run_both(ckpt: Path, work: list[list[int]], args: argparse.Namespace, url: str) -> list[dict]:
