@@ -88,6 +88,12 @@ def text_of(events: list[dict[str, Any]], index: int = 0) -> str:
     return "".join(e["text"] for e in events if e["index"] == index)
 
 
+def redis_now_ms(r: redis.Redis) -> int:
+    """Redis's clock in ms: what heartbeats, entry ids and idle times are measured against."""
+    seconds, micros = r.time()
+    return seconds * 1000 + micros // 1000
+
+
 def read_events(url: str, request_id: str, names: Names = NAMES) -> list[dict[str, Any]]:
     """Every stored event of a request, checking that stream ids and seq agree and are contiguous."""
     client = redis.Redis.from_url(url)

@@ -18,6 +18,7 @@ from redis_worker_helpers import (
     has_ended,
     long_context_checkpoint,
     read_events,
+    redis_now_ms,
     running_worker,
     wait_for,
 )
@@ -29,11 +30,6 @@ NAMES = Names()
 CLAIM_IDLE_S = 0.4  # the reclaimer looks every 0.2 s
 SHORT = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
 LONG = {"max_tokens": 8000, "temperature": 0.0, "ignore_eos": True}  # runs until cancelled
-
-
-def now_ms(r: redis.Redis) -> int:
-    seconds, micros = r.time()
-    return seconds * 1000 + micros // 1000
 
 
 def routed_to(r: redis.Redis, worker: str, request_id: str, last_beat_ms: int, params: dict,
@@ -54,7 +50,7 @@ async def test_a_dead_workers_job_is_served_and_its_stream_removed_once_empty(
     both are answered the stream, the worker's load and its prefixes go."""
     caplog.set_level(logging.INFO, logger="streamer.worker")
     r = redis.Redis.from_url(redis_url)
-    routed_to(r, "ghost", "for-ghost", now_ms(r) - 60_000, LONG)  # its last beat a minute ago
+    routed_to(r, "ghost", "for-ghost", redis_now_ms(r) - 60_000, LONG)  # its last beat a minute ago
     r.xadd(NAMES.worker_requests("ghost"), encode_job({"id": "second", "prompt": "hi", "params": SHORT}))
     r.hset(NAMES.loads, "ghost", 3)
     r.sadd(NAMES.worker_prefixes("ghost"), "a-digest")
@@ -89,8 +85,9 @@ async def test_a_job_a_live_worker_left_unread_past_claim_idle_is_taken(
     loses it to a worker with room; its stream, alive, stays."""
     caplog.set_level(logging.INFO, logger="streamer.worker")
     r = redis.Redis.from_url(redis_url)
-    r.zadd(NAMES.heartbeats, {"slow": now_ms(r) + 60_000})  # beating, however long the test takes
-    routed_to(r, "slow", "for-slow", now_ms(r), SHORT, entry_id=f"{now_ms(r) - 10_000}-0")  # 10 s unread
+    r.zadd(NAMES.heartbeats, {"slow": redis_now_ms(r) + 60_000})  # beating, however long the test takes
+    ten_s_ago = f"{redis_now_ms(r) - 10_000}-0"  # pushed 10 s ago, unread since
+    routed_to(r, "slow", "for-slow", redis_now_ms(r), SHORT, entry_id=ten_s_ago)
     # One seat: a worker with room for exactly one job takes it.
     async with running_worker(llama_ckpt, redis_url, engine={"max_num_seqs": 1}, claim_idle_s=CLAIM_IDLE_S):
         await wait_for(lambda: has_ended(redis_url, "for-slow"), timeout=30)

@@ -18,7 +18,7 @@ import anyio
 import pytest
 import redis
 import redis.asyncio as aioredis
-from redis_worker_helpers import running_worker, wait_for
+from redis_worker_helpers import redis_now_ms, running_worker, wait_for
 from test_gateway import _cancels, _drain_cancels, config, http_get, recv, send
 from websockets.asyncio.client import connect
 
@@ -41,11 +41,6 @@ for i = 1, tonumber(ARGV[1]) do
 end
 return redis.call('DBSIZE')
 """
-
-
-def _now_ms(r: redis.Redis) -> int:
-    seconds, micros = r.time()
-    return seconds * 1000 + micros // 1000
 
 
 def _commands_called(r: redis.Redis) -> set[str]:
@@ -82,13 +77,13 @@ async def test_healthz_reads_the_heartbeat_set_not_the_keyspace(llama_ckpt: Path
             assert statistics.median(times) < 0.25, times
 
             # A member that stopped beating is not listed, and the next beat of any worker prunes it.
-            r.zadd(NAMES.heartbeats, {"crashed": _now_ms(r) - STALE_MS - 1000})
+            r.zadd(NAMES.heartbeats, {"crashed": redis_now_ms(r) - STALE_MS - 1000})
             r.hset(NAMES.worker("crashed"), mapping={"model": "x"})
             r.pexpire(NAMES.worker("crashed"), 60_000)
             assert [w["name"] for w in (await _health(gw.url))[1]["workers"]] == [name]
             await wait_for(lambda: r.zscore(NAMES.heartbeats, "crashed") is None, timeout=5)
             # A fresh member whose stats hash expired (it died between beats) is not listed either.
-            r.zadd(NAMES.heartbeats, {"no-stats": _now_ms(r)})
+            r.zadd(NAMES.heartbeats, {"no-stats": redis_now_ms(r)})
             assert [w["name"] for w in (await _health(gw.url))[1]["workers"]] == [name]
             r.zrem(NAMES.heartbeats, "no-stats")
         # A worker that stops leaves the set (and its stats key) at once.
@@ -173,7 +168,7 @@ async def test_idle_consumers_holding_nothing_are_deleted(redis_url: str) -> Non
         r.xgroup_createconsumer(NAMES.requests, NAMES.group, name)
     r.xadd(NAMES.requests, {"json": "{}"})
     r.xreadgroup(NAMES.group, "holder", {NAMES.requests: ">"}, count=1)  # holds an entry: never deleted
-    r.zadd(NAMES.heartbeats, {"beating": _now_ms(r) + 60_000})  # alive, however idle: never deleted
+    r.zadd(NAMES.heartbeats, {"beating": redis_now_ms(r) + 60_000})  # alive, however idle: never deleted
     await anyio.sleep(0.4)
     r.xgroup_createconsumer(NAMES.requests, NAMES.group, "just-started")
     cfg = WorkerConfig(redis_url=redis_url, consumer_idle_s=0.3)
