@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import numpy as np
@@ -12,7 +11,9 @@ import torch
 from streamer.attention import get_backend
 from streamer.attention.backend import Rows
 from streamer.config import EngineConfig
+from streamer.kv_cache_sizing import GIB, GpuMemory, cpu_kv_blocks, gpu_kv_blocks
 from streamer.layers.cpu_gemm import pack_model
+from streamer.memory_probe import available_memory, forward_peak, profile_step
 from streamer.model_config import ModelConfig
 from streamer.model_loader import load_weights
 from streamer.models.registry import model_class
@@ -22,8 +23,6 @@ from streamer.request import Sequence
 from streamer.sampler import Sampler, SamplerOutput
 from streamer.scheduler_output import ScheduledSeq
 from streamer.step import FlatStep, StepInputs, flatten_step, payload_tensor, sample_rows_meta, unflatten_step
-
-_GIB = 1 << 30
 
 
 class ModelRunner:
@@ -53,7 +52,7 @@ class ModelRunner:
             pack_model(self.model, batch_hint=min(config.max_num_seqs, 64))
         # Every rank must hold the same number of blocks: the scheduler in rank 0 hands out ids.
         self.num_kv_blocks = tp_group.all_reduce_min(config.num_kv_blocks or self._blocks_that_fit(), device)
-        self._allocate_kv_cache()
+        self._allocate_kv_cache(self.num_kv_blocks)
 
     def _bytes_per_block(self) -> int:
         attn = self.model.layers[0].self_attn.attn
@@ -61,27 +60,36 @@ class ModelRunner:
         return per_layer * len(self.model.layers) * self.model_config.dtype.itemsize
 
     def _blocks_that_fit(self) -> int:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            # Leave room for activations of a full token budget (logits dominate).
-            vocab = self.model_config.hf_config.vocab_size
-            reserve = 4 * self.config.max_num_batched_tokens * (vocab + 16 * self.model_config.hf_config.hidden_size)
-            budget = free - (1 - self.config.gpu_memory_utilization) * total - reserve
-        else:
-            budget = (self.config.kv_cache_memory_gb * _GIB if self.config.kv_cache_memory_gb
-                      else min(2 * _GIB, _available_memory() // 4))
-            budget /= self.tp.size  # CPU ranks share one machine's memory
-        blocks = int(budget // self._bytes_per_block())
-        if blocks < 1:
-            raise MemoryError("no memory left for the KV cache; lower max_num_batched_tokens or use a "
-                              "smaller model")
+        """The cache's size from measured memory (streamer/kv_cache_sizing.py has the arithmetic)."""
         # No point holding more than every running sequence at full length could use.
         most = self.config.max_num_seqs * -(-self.model_config.max_model_len // self.block_size)
-        return min(blocks, most)
+        if self.device.type == "cuda":
+            return gpu_kv_blocks(self._measure_gpu_memory(), self.config.gpu_memory_utilization,
+                                 self._bytes_per_block(), most, self.config.max_num_batched_tokens)
+        cache = self.config.kv_cache_memory_gb * GIB if self.config.kv_cache_memory_gb else None
+        return cpu_kv_blocks(cache, available_memory(), self.tp.size, self._bytes_per_block(), most)
 
-    def _allocate_kv_cache(self) -> None:
+    def _measure_gpu_memory(self) -> GpuMemory:
+        peak = self.profile_forward_peak()
+        torch.cuda.empty_cache()  # the profile's blocks and activations go back to the device
+        free, total = torch.cuda.mem_get_info(self.device)
+        return GpuMemory(free=free, total=total, forward_peak=peak)
+
+    def profile_forward_peak(self) -> int:
+        """Bytes a forward of the heaviest step (max_num_batched_tokens prompt tokens, every sequence
+        sampling) takes at its peak, run over a cache just big enough for it, which is dropped after."""
+        scheduled, blocks = profile_step(self.config.max_num_batched_tokens, self.config.max_num_seqs,
+                                         self.model_config.max_model_len, self.block_size,
+                                         self.model_config.hf_config.vocab_size)
+        self._allocate_kv_cache(blocks)
+        try:
+            return forward_peak(self.run, scheduled, self.block_size, self.device)
+        finally:
+            self._allocate_kv_cache(0)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
         attn0 = self.model.layers[0].self_attn.attn
-        shape = (self.num_kv_blocks, self.block_size, attn0.num_kv_heads, attn0.head_size)
+        shape = (num_blocks, self.block_size, attn0.num_kv_heads, attn0.head_size)
         self.key_caches, self.value_caches = [], []
         for layer in self.model.layers:
             attn = layer.self_attn.attn
@@ -131,17 +139,6 @@ class ModelRunner:
         result = self.sample(step, logits)
         self.phases = StepPhases(prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=time.monotonic() - t2)
         return result
-
-
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
