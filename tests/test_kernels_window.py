@@ -37,17 +37,18 @@ SOFTCAP = 2.5  # small enough that capping changes the scores of unit-variance i
 def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: list[int],
                     scale: float, window: int, softcap: float) -> torch.Tensor:
     """Attention of `query` `[Lq, H, D]` at positions `q_pos` over `keys` `[L, KVH, D]` (positions
-    0..L-1), in float64, one query row and key at a time: the definition the references follow."""
+    0..L-1), in float64, one query row at a time over exactly the keys it sees: the definition the
+    references follow."""
     q, k, v = query.double(), keys.double(), values.double()
     group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # query head h reads h // group
     out = torch.empty_like(q)
     for i, p in enumerate(q_pos):
         lo = max(0, p - window + 1) if window else 0
-        for h in range(q.shape[1]):
-            s = k[lo:p + 1, h // group] @ q[i, h] * scale
-            if softcap:
-                s = softcap * torch.tanh(s / softcap)
-            out[i, h] = torch.softmax(s, 0) @ v[lo:p + 1, h // group]
+        s = torch.einsum("hd,khd->hk", q[i], k[lo:p + 1]) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        out[i] = torch.einsum("hk,khd->hd", torch.softmax(s, -1), v[lo:p + 1])
     return out
 
 
