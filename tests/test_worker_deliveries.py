@@ -5,6 +5,7 @@ redis-server, real in-process workers on the tiny Llama."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import anyio
@@ -27,31 +28,37 @@ NAMES = Names()
 SHORT = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
 
 
-def push_delivered(r: redis.Redis, rid: str, earlier: int) -> None:
-    """A job that `earlier` workers, all dead now, were handed before (read once, then claimed)."""
+def push_delivered(r: redis.Redis, rid: str, earlier: int) -> str:
+    """A job that `earlier` workers, all dead now, were handed before (read once, then claimed); its
+    entry id."""
     entry = r.xadd(NAMES.requests, encode_job({"id": rid, "prompt": "hi", "params": SHORT}))
     for k in range(earlier):
         if k == 0:
             r.xreadgroup(NAMES.group, "dead-0", {NAMES.requests: ">"})
         else:
             r.xclaim(NAMES.requests, NAMES.group, f"dead-{k}", 0, [entry])
+    return entry.decode()
 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("max_deliveries", [1, 3])
 async def test_the_max_th_delivery_runs_and_the_next_is_dead(llama_ckpt: Path, redis_url: str,
-                                                              max_deliveries: int) -> None:
+                                                              max_deliveries: int,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="streamer.worker")
     r = redis.Redis.from_url(redis_url)
     r.xgroup_create(NAMES.requests, NAMES.group, id="0", mkstream=True)
     earlier = {"one-too-many": max_deliveries, "last-chance": max_deliveries - 1}
-    for rid, n in earlier.items():  # a ghost's read takes every new entry: a fresh job (0) goes last
-        push_delivered(r, rid, n)
+    # A ghost's read takes every new entry: a fresh job (0 earlier deliveries) goes last.
+    entries = {rid: push_delivered(r, rid, n) for rid, n in earlier.items()}
     async with running_worker(llama_ckpt, redis_url, claim_idle_s=0.3, max_deliveries=max_deliveries):
         await wait_for(lambda: all(has_ended(redis_url, rid) for rid in earlier), timeout=30)
     assert check_complete(read_events(redis_url, "last-chance"))["type"] == "done"
     assert [(e["type"], e["code"]) for e in read_events(redis_url, "one-too-many")] == [
         ("error", "too_many_deliveries")]
     assert [d["id"] for d in dead_letters(redis_url)] == [b"one-too-many"]
+    # The operator's log names each entry taken over and its delivery (this worker's claim included).
+    assert f"reclaimed job entry {entries['one-too-many']} (delivery {max_deliveries + 1})" in caplog.text
     r.close()
 
 
