@@ -57,6 +57,8 @@ async def test_the_max_th_delivery_runs_and_the_next_is_dead(llama_ckpt: Path, r
     assert [(e["type"], e["code"]) for e in read_events(redis_url, "one-too-many")] == [
         ("error", "too_many_deliveries")]
     assert [d["id"] for d in dead_letters(redis_url)] == [b"one-too-many"]
+    # Each answered, each entry acked where it was: a job taken over is acked under its own entry id.
+    assert r.xlen(NAMES.requests) == 0 and r.xpending(NAMES.requests, NAMES.group)["pending"] == 0
     # The operator's log names each entry taken over and its delivery (this worker's claim included).
     assert f"reclaimed job entry {entries['one-too-many']} (delivery {max_deliveries + 1})" in caplog.text
     r.close()
