@@ -3,7 +3,7 @@ projection, `streamer_kernels.grouped_gemm.grouped_mm`) against the reference, a
 experts (`grouped_mm_ref`), on the same sorted rows.
 
     python bench/moe_experts.py [--tokens 1 16 256 1024] [--experts 8] [--top-k 2] [--hidden 1024]
-                                [--inter 768] [--dtype float32] [--iters 20]
+                                [--inter 768] [--dtype float32] [--iters 20] [--threads N]
 
 Prints the median milliseconds of both projections of the layer for each token count.
 """
@@ -16,7 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# This folder holds bench/kernels.py, named like Hugging Face's `kernels` that transformers imports.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
 
 import torch  # noqa: E402
 from streamer_kernels.grouped_gemm import grouped_mm, grouped_mm_ref  # noqa: E402
@@ -41,7 +44,10 @@ def main() -> None:
     ap.add_argument("--inter", type=int, default=768)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=0, help="torch's threads (0: its default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
     w13 = torch.randn(args.experts, 2 * args.inter, args.hidden, generator=gen).to(dtype)

@@ -133,7 +133,7 @@ def timed_runs(engine: LLMEngine, args: argparse.Namespace, name: str, reqs: lis
     runs = []
     for i in range(args.repeats):
         engine.reset_prefix_cache()
-        idle = wait_quiet()
+        idle = wait_quiet(timeout=args.quiet_timeout_s)
         run = generate(engine, reqs, f"streamer {name}, {when}repeat {i + 1}/{args.repeats}",
                        SAMPLED if name == "sampled" else None)
         run["idle_before"] = idle
@@ -178,7 +178,7 @@ def run_vllm(args: argparse.Namespace, name: str, reqs: list[dict]) -> dict:
         cmd += ["--workload", name]
     elif name != "sampled":  # (sampled runs main's, named in its flags)
         cmd += ["--workload-file", f.name]
-    wait_quiet()
+    wait_quiet(timeout=args.quiet_timeout_s)
     with task(f"vLLM {name}, {args.repeats} repeats"):
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     os.unlink(f.name)
@@ -193,7 +193,8 @@ def run_vllm(args: argparse.Namespace, name: str, reqs: list[dict]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, required=True, help="a Llama checkpoint directory (the anchors' model)")
+    ap.add_argument("--model", type=Path, required=True,
+                    help="a checkpoint directory: the anchors' Llama, or bench/moe_model.py's Qwen3-MoE")
     ap.add_argument("--workloads", default="main,chat,prefill,sampled")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=3)
@@ -202,6 +203,8 @@ def main() -> None:
     ap.add_argument("--vllm-python", help="python of a venv with vLLM's CPU build")
     ap.add_argument("--anchors", help="the folder holding bench_vllm.py")
     ap.add_argument("--json", type=Path, help="also write every figure here")
+    ap.add_argument("--quiet-timeout-s", type=float, default=600.0,
+                    help="how long each timed run waits for an idle CPU before it runs anyway")
     ap.add_argument("--malloc", choices=CHOICES, default="tcmalloc",
                     help="streamer's allocator, as `streamer worker --malloc` (this process runs the engine)")
     args = ap.parse_args()

@@ -121,6 +121,24 @@ def build_checkpoint(path: str | Path, spec: TinyModelSpec | None = None, seed: 
     return path
 
 
+def moe_bench_spec() -> TinyModelSpec:
+    """A Qwen3-MoE shaped for 2 CPU cores (bench/README.md's MoE row): 8 experts, 2 a token, 8
+    layers of hidden 512, 32k vocabulary (tied): ~73M parameters, ~35M of them active a token."""
+    return TinyModelSpec(
+        arch="qwen3_moe",
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        extra={"head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 512,
+               "norm_topk_prob": True},
+    )
+
+
 def bench_spec() -> TinyModelSpec:
     """The ~110M-parameter Llama (32k vocab) used by the throughput benchmark."""
     return TinyModelSpec(
