@@ -27,6 +27,7 @@ class EngineConfig:
     max_waiting_tokens: int | None = None  # None = no bound on queued prompt tokens
     kv_cache_memory_gb: float | None = None  # CPU cache size when num_kv_blocks is None (default: min(2 GiB, RAM/4))
     gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (decode_graphs.py); the CPU never uses them
     cpu_gemm: str = "onednn"  # onednn (weights pre-packed once) | torch (F.linear): CPU linear layers
     tp_timeout_s: float = 600.0  # a tensor-parallel collective's wait for a stuck rank; bounds weight loading too
     # structured_outputs work (docs/structured_outputs.md#budgets): CPU seconds one token mask and all of a

@@ -11,6 +11,7 @@ import torch
 from streamer.attention import get_backend
 from streamer.attention.backend import Rows
 from streamer.config import EngineConfig
+from streamer.decode_graphs import DecodeBuffers, DecodeGraphs, graph_buckets
 from streamer.kv_cache_sizing import GIB, GpuMemory, cpu_kv_blocks, gpu_kv_blocks
 from streamer.layers.cpu_gemm import pack_model
 from streamer.memory_probe import available_memory, forward_peak, profile_step
@@ -53,6 +54,18 @@ class ModelRunner:
         # Every rank must hold the same number of blocks: the scheduler in rank 0 hands out ids.
         self.num_kv_blocks = tp_group.all_reduce_min(config.num_kv_blocks or self._blocks_that_fit(), device)
         self._allocate_kv_cache(self.num_kv_blocks)
+        self.graphs = self._decode_graphs()
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs for decode steps, captured per bucket on first use; eager on the CPU, with
+        `enforce_eager`, and under tensor parallelism (collectives inside a graph are not tried yet)."""
+        if self.device.type != "cuda" or self.config.enforce_eager or self.tp.size > 1:
+            return None
+        buckets = graph_buckets(self.config.max_num_seqs)
+        buffers = DecodeBuffers(buckets[-1], -(-self.model_config.max_model_len // self.block_size),
+                                self.model_config.max_model_len, self.device)
+        return DecodeGraphs(lambda ids, pos, meta: self.model.compute_logits(self.model(ids, pos, meta)),
+                            buffers, buckets, self.device)
 
     def _bytes_per_block(self) -> int:
         attn = self.model.layers[0].self_attn.attn
@@ -107,6 +120,8 @@ class ModelRunner:
         sequence samples). With tensor parallelism every rank runs this on the same inputs."""
         if inputs.block_copies.numel():
             self.backend.copy_blocks(self.key_caches, self.value_caches, inputs.block_copies)
+        if self.graphs is not None and self.graphs.handles(inputs):
+            return self.graphs.run(inputs)
         rows = inputs.sample_rows
         if rows.numel() < inputs.input_ids.numel():  # a prompt's chunk: most rows only feed the cache
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta,

@@ -16,9 +16,9 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from bench.gpu_check import Step, kernel_summary, run_step
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-from gpu_check import Step, kernel_summary, run_step  # noqa: E402
 
 # The GPU image's Python packages, as issue 39 lists them; their own dependencies come with them.
 GPU_IMAGE = ["torch", "triton", "transformers", "msgpack", "anyio", "httpx", "prometheus-client"]
