@@ -63,7 +63,7 @@ class BlockManager:
         self.promised: dict[bytes, int] = {}
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write, for the next step
         # seq_id -> how many leading entries of its table it no longer holds (release_outside_window):
-        # their ids stay in the table, unread, so that positions keep their blocks' indices.
+        # their ids stay in the table, never attended to, so that positions keep their blocks' indices.
         self.released: dict[int, int] = {}
 
     @property
@@ -241,8 +241,10 @@ class BlockManager:
         """Drop `seq`'s references to the blocks wholly before the sliding window of every token it
         has still to compute (a model whose every layer attends to its last `window` keys only:
         the token at position p reads keys > p - window, and p never falls below the next token to
-        compute). Their table entries stay (unread by the kernels), so later positions keep their
-        blocks. A cached block keeps its hash in the free queue. Returns how many were released."""
+        compute). Their table entries stay, so later positions keep their blocks; no key of theirs is
+        attended to again (the CPU prefill kernel may still read some in the tile that starts a
+        window, and masks them). A cached block keeps its hash in the free queue. Returns how many
+        were released."""
         table = self.tables.get(seq.seq_id)
         if not table:
             return 0
