@@ -46,7 +46,8 @@ KERNELS = "compiling the CPU kernels (first start only: minutes on a small CPU, 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="Hugging Face checkpoint directory of a supported family (README: Supported "
-                             "models); default: the built-in SmolLM2-135M-Instruct, prepared on first run")
+                             "models), or a llama.cpp .gguf file (converted once); default: the built-in "
+                             "SmolLM2-135M-Instruct, prepared on first run")
     parser.add_argument("--redis", type=redis_url, default=None,
                         help="URL of a running Redis to use; default: start a private redis-server "
                              "on a free port")
