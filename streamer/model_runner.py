@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 
@@ -84,7 +85,11 @@ class ModelRunner:
 
     def _measure_gpu_memory(self) -> GpuMemory:
         peak = self.profile_forward_peak()
-        torch.cuda.empty_cache()  # the profile's blocks and activations go back to the device
+        # The profile's blocks and activations go back to the device, and so does what an engine built
+        # before this one in the same process left to the garbage collector (its cache would otherwise
+        # still be held by torch's allocator and look taken).
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         return GpuMemory(free=free, total=total, forward_peak=peak)
 
