@@ -92,8 +92,15 @@ class Reclaimer:
     async def _claim_stream(self, stream: str, idle_ms: int, jobs: TaskGroup) -> None:
         cursor = "0-0"
         while (count := self.state.capacity()) > 0:
-            cursor, entries, *_ = await self.redis.xautoclaim(stream, self.names.group, self.cfg.consumer, idle_ms,
-                                                              start_id=cursor, count=count)
+            try:
+                cursor, entries, *_ = await self.redis.xautoclaim(stream, self.names.group, self.cfg.consumer,
+                                                                  idle_ms, start_id=cursor, count=count)
+            except ResponseError as e:
+                # Another worker's stream that is gone: nothing to claim there, and raising would stop
+                # this pass before the other workers' streams and `_adopt` (which removes a dead one's).
+                if _gone(e) and stream not in self.intake.streams.names_read:
+                    return
+                raise
             if entries:
                 await self._start_reclaimed(stream, entries, jobs)
             if cursor in (b"0-0", "0-0"):
@@ -140,7 +147,12 @@ class Reclaimer:
         count = self.state.capacity()
         if count <= 0:
             return []
-        reply = await self.redis.xreadgroup(self.names.group, self.cfg.consumer, {stream: ">"}, count=count)
+        try:
+            reply = await self.redis.xreadgroup(self.names.group, self.cfg.consumer, {stream: ">"}, count=count)
+        except ResponseError as e:
+            if _gone(e):  # its stream is gone: nothing to take (a dead worker's registration is removed next)
+                return []
+            raise
         return [Taken(stream, entry_id, fields) for _, entries in reply or [] for entry_id, fields in entries]
 
     async def _remove_stream(self, name: str, stream: str) -> None:
@@ -184,3 +196,8 @@ class Reclaimer:
             self.on_reclaim(stream)
             batch.append(Taken(stream, entry_id, fields, deliveries=deliveries))
         await self.intake.start_batch(batch, jobs)
+
+
+def _gone(error: ResponseError) -> bool:
+    """NOGROUP: the stream, or this group on it, does not exist."""
+    return "NOGROUP" in str(error)
