@@ -54,6 +54,9 @@ async def test_a_dead_workers_job_is_served_and_its_stream_removed_once_empty(
     r.xadd(NAMES.worker_requests("ghost"), encode_job({"id": "second", "prompt": "hi", "params": SHORT}))
     r.hset(NAMES.loads, "ghost", 3)
     r.sadd(NAMES.worker_prefixes("ghost"), "a-digest")
+    # Looked at first (the oldest beat): a dead worker whose stream is gone (evicted, deleted by hand, lost
+    # with a shard). Nothing to take from it; its registration is removed, and the others still looked at.
+    r.zadd(NAMES.worker_streams, {"vanished": redis_now_ms(r) - 120_000})
     ckpt = long_context_checkpoint(tmp_path / "ckpt")  # room for a job that outlasts the looks below
     async with running_worker(ckpt, redis_url, engine={"num_kv_blocks": 1100, "max_num_seqs": 1},
                               claim_idle_s=CLAIM_IDLE_S,
@@ -73,6 +76,7 @@ async def test_a_dead_workers_job_is_served_and_its_stream_removed_once_empty(
     assert [check_complete(read_events(redis_url, rid))["type"] for rid in ("for-ghost", "second")] == ["done"] * 2
     assert caplog.text.count("took 1 job(s) routed to dead worker ghost") == 2
     assert "removing the request stream of worker ghost, gone for good" in caplog.text
+    assert r.zscore(NAMES.worker_streams, "vanished") is None
     assert r.exists(NAMES.worker_requests("ghost"), NAMES.worker_prefixes("ghost")) == 0
     assert r.hget(NAMES.loads, "ghost") is None
     r.close()
@@ -85,7 +89,10 @@ async def test_a_job_a_live_worker_left_unread_past_claim_idle_is_taken(
     loses it to a worker with room; its stream, alive, stays."""
     caplog.set_level(logging.INFO, logger="streamer.worker")
     r = redis.Redis.from_url(redis_url)
-    r.zadd(NAMES.heartbeats, {"slow": redis_now_ms(r) + 60_000})  # beating, however long the test takes
+    r.zadd(NAMES.heartbeats, {"slow": redis_now_ms(r) + 60_000, "bare": redis_now_ms(r) + 60_000})  # beating
+    # Looked at first (the oldest beat): a live worker whose stream is not there (Redis lost it, or it has
+    # only just registered). Nothing to take from it, and no reason to stop looking at the others.
+    r.zadd(NAMES.worker_streams, {"bare": redis_now_ms(r) - 1000})
     ten_s_ago = f"{redis_now_ms(r) - 10_000}-0"  # pushed 10 s ago, unread since
     routed_to(r, "slow", "for-slow", redis_now_ms(r), SHORT, entry_id=ten_s_ago)
     # One seat: a worker with room for exactly one job takes it.
@@ -94,4 +101,5 @@ async def test_a_job_a_live_worker_left_unread_past_claim_idle_is_taken(
     assert check_complete(read_events(redis_url, "for-slow"))["type"] == "done"
     assert "took 1 job(s) routed to stalled worker slow" in caplog.text
     assert r.zscore(NAMES.worker_streams, "slow") is not None and r.exists(NAMES.worker_requests("slow"))
+    assert r.zscore(NAMES.worker_streams, "bare") is not None  # alive: its registration stays
     r.close()
