@@ -58,6 +58,12 @@ class Names:
         return f"{{{self.prefix}}}" if self.cluster else self.prefix
 
     @property
+    def handoff(self) -> str:
+        """Pub/sub channel on which a draining worker says it handed jobs back (workers/worker/handoff.py):
+        the other workers' reclaimers look at once instead of at their next period."""
+        return f"{self.prefix}:handoff"
+
+    @property
     def streams(self) -> str:
         """Sorted set of every request stream jobs were pushed to: member = stream, score = lane rank
         (the lane's priority cutoff; DEFAULT_LANE_RANK for `requests`). Lower ranks are read first."""

@@ -58,6 +58,7 @@ _HELP = {
     "grammar_compile_timeout_s": "structured outputs: seconds a spec may take to compile; past it the compile is "
                                  "stopped and the request refused (invalid_params)",
     "grammar_compile_workers": "structured outputs: compiles run at once, each in a process of its own",
+    "enforce_eager": "never capture CUDA graphs for decode steps (the CPU never does)",
     "speculative_config": "speculative decoding, as JSON (vLLM's keys), e.g. '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4}' (docs/speculative_decoding.md)",
 }
@@ -120,7 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--claim-idle", type=float, default=30.0,
                    help="seconds after which a job of a silent (dead) worker is taken over")
     w.add_argument("--max-deliveries", type=int, default=5, help="deliveries before a job is dead-lettered")
-    w.add_argument("--grace", type=float, default=30.0, help="seconds to finish in-flight jobs on SIGTERM")
+    w.add_argument("--grace", "--drain-timeout", type=float, default=30.0,
+                   help="SIGTERM: seconds to finish in-flight jobs; what is left then goes back to the queue at once, "
+                        "for another worker to resume")
     w.add_argument("--max-payload-bytes", type=int, default=Limits.max_payload_bytes,
                    help="largest accepted job payload")
     w.add_argument("--dead-payload-bytes", type=int, default=4096,

@@ -65,13 +65,20 @@ class Reclaimer:
         self._drop_idle = redis.register_script(_DROP_IDLE_CONSUMERS)
         self._live = live_script(redis)
         self._next_cleanup = 0.0  # monotonic time of the next look for idle consumers
+        self._woken = anyio.Event()
+
+    def wake(self) -> None:
+        """Look now, not at the next period: a draining worker handed jobs back (handoff.py)."""
+        self._woken.set()
 
     async def claim_loop(self, jobs: TaskGroup) -> None:
         """Take over entries whose worker stopped refreshing them (dead), oldest first."""
         backoff = Backoff("reclaim", log)
         idle_ms = int(self.cfg.claim_idle_s * 1000)
         while True:
-            await anyio.sleep(self.cfg.claim_idle_s / 2)
+            with anyio.move_on_after(self.cfg.claim_idle_s / 2):
+                await self._woken.wait()
+            self._woken = anyio.Event()
             try:
                 streams = self.intake.streams
                 await streams.refresh()

@@ -32,6 +32,7 @@ from workers.worker.cancel import CancelListener
 from workers.worker.config import WorkerConfig
 from workers.worker.engine import Engine
 from workers.worker.event_writer import EventWriter
+from workers.worker.handoff import Handoff
 from workers.worker.heartbeat import Heartbeat
 from workers.worker.intake import Intake
 from workers.worker.job import JobRunner
@@ -80,7 +81,8 @@ class Worker:
         self.reclaimer = Reclaimer(self.redis, config, self.state, self.intake, on_reclaim=m.reclaimed)
         self.queue = QueueMonitor(config, m.registry, on_reconnect=m.reconnected,
                                   every_s=min(QUEUE_POLL_S, config.heartbeat_s))
-        self.cancels = CancelListener(self.redis, self.names, engine, self.state)
+        self.cancels = CancelListener(self.redis, self.names, engine, self.state, on_handoff=self.reclaimer.wake)
+        self.handoff = Handoff(self.redis, self.names, self.names.group, config.consumer, self.state)
         self._leave_group = self.redis.register_script(_LEAVE_GROUP)
         self.heartbeat = Heartbeat(self.redis, config, engine, self.state, self.writer, self.cancels)
         self.progress = ProgressReporter(self.redis, self.names, engine, self.state, config.consumer,
@@ -135,6 +137,8 @@ class Worker:
                 self.writer.close()
                 with anyio.move_on_after(max(5.0, cfg.grace_s / 2)):
                     await self.writer.wait_idle()
+                # Only now, with their events written, do unfinished jobs go to the other workers.
+                await self.handoff.hand_back()
                 services.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(2):
@@ -185,5 +189,7 @@ class Worker:
             # checked and done in one script so nothing is handed to us in between.
             for stream in self.streams.names_read:
                 await self._leave_group(keys=[stream], args=[self.names.group, self.cfg.consumer])
+            # Gone from the live set: jobs routed to it and still unread are adopted now, not later.
+            await self.redis.publish(self.names.handoff, "left")
         except (*TRANSIENT, ResponseError) as e:
             log.warning("worker %s: could not deregister (%s)", self.cfg.consumer, e)
