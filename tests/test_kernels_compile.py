@@ -27,7 +27,7 @@ def test_every_kernel_compiles_for_the_gpu(arch: int) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     compiled = dict(line.split()[1:3] for line in done.stdout.splitlines() if line.startswith("compiled "))
     assert set(compiled) == {"_decode_kernel", "_merge_kernel", "_prefill_kernel", "_reshape_and_cache_kernel",
-                             "_copy_blocks_kernel", "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel"}
+                             "_copy_blocks_kernel", "_rms_norm_kernel", "_rotary_kernel", "_act_and_mul_kernel"}
     assert all(int(size) > 0 for size in compiled.values())  # bytes of cubin
 
 
