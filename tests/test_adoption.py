@@ -42,43 +42,53 @@ def routed_to(r: redis.Redis, worker: str, request_id: str, last_beat_ms: int, p
     r.xadd(stream, encode_job({"id": request_id, "prompt": "hi", "params": params}), id=entry_id)
 
 
+async def looks_pass() -> None:
+    """Several passes of the reclaimer."""
+    await anyio.sleep(3 * CLAIM_IDLE_S)
+
+
 @pytest.mark.anyio
-async def test_a_dead_workers_job_is_served_and_its_stream_removed_once_empty(
+async def test_a_dead_workers_job_waits_for_a_seat_and_its_stream_goes_once_empty(
         redis_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """The jobs run here as seats allow (one seat: the second is taken only once the first is
-    answered); while one runs (its entry pending in the dead worker's stream) the stream stays, and once
-    both are answered the stream, the worker's load and its prefixes go."""
+    """One seat. While it is taken by a job of the shared stream, the dead worker's job stays unread in
+    its stream, and the stream stays; once the seat is free the job runs here, and while it runs (its
+    entry pending there) the stream still stays; once it is answered the stream, the dead worker's load
+    and its prefixes go. A dead worker whose stream is already gone loses its registration meanwhile."""
     caplog.set_level(logging.INFO, logger="streamer.worker")
     r = redis.Redis.from_url(redis_url)
-    routed_to(r, "ghost", "for-ghost", redis_now_ms(r) - 60_000, LONG)  # its last beat a minute ago
-    r.xadd(NAMES.worker_requests("ghost"), encode_job({"id": "second", "prompt": "hi", "params": SHORT}))
-    r.hset(NAMES.loads, "ghost", 3)
-    r.sadd(NAMES.worker_prefixes("ghost"), "a-digest")
-    # Looked at first (the oldest beat): a dead worker whose stream is gone (evicted, deleted by hand, lost
-    # with a shard). Nothing to take from it; its registration is removed, and the others still looked at.
-    r.zadd(NAMES.worker_streams, {"vanished": redis_now_ms(r) - 120_000})
-    ckpt = long_context_checkpoint(tmp_path / "ckpt")  # room for a job that outlasts the looks below
+    ghost = NAMES.worker_requests("ghost")
+    ckpt = long_context_checkpoint(tmp_path / "ckpt")  # room for jobs that outlast the looks below
     async with running_worker(ckpt, redis_url, engine={"num_kv_blocks": 1100, "max_num_seqs": 1},
-                              claim_idle_s=CLAIM_IDLE_S,
-                              consumer_idle_s=1.0) as worker, AsyncClient(redis_url) as client:
+                              claim_idle_s=CLAIM_IDLE_S, consumer_idle_s=1.0) as worker, \
+            AsyncClient(redis_url) as client:
+        await client.submit("hi", id="busy", params=LONG)
+        await wait_for(lambda: len(read_events(redis_url, "busy")) > 2, timeout=30)  # the seat is taken
+        routed_to(r, "ghost", "for-ghost", redis_now_ms(r) - 60_000, LONG)  # its last beat a minute ago
+        r.hset(NAMES.loads, "ghost", 3)
+        r.sadd(NAMES.worker_prefixes("ghost"), "a-digest")
+        # Looked at first (the oldest beat): a dead worker whose stream is gone (evicted, deleted by hand,
+        # lost with a shard). Nothing to take from it; its registration goes, the others are still looked at.
+        r.zadd(NAMES.worker_streams, {"vanished": redis_now_ms(r) - 120_000})
+        await wait_for(lambda: r.zscore(NAMES.worker_streams, "vanished") is None, timeout=10)
+        await looks_pass()
+        waiting = r.xinfo_groups(ghost)[0]
+        assert (waiting["lag"], waiting["pending"]) == (1, 0) and not read_events(redis_url, "for-ghost")
+        busy_ran = not has_ended(redis_url, "busy")
+        await client.cancel("busy")
         await wait_for(lambda: len(read_events(redis_url, "for-ghost")) > 2, timeout=30)
-        await wait_for(lambda: "routed to dead worker ghost" in caplog.text, timeout=5)
-        held = r.xpending(NAMES.worker_requests("ghost"), NAMES.group)
-        assert held["pending"] == 1 and held["consumers"] == [{"name": worker.cfg.consumer.encode(), "pending": 1}]
-        await anyio.sleep(3 * CLAIM_IDLE_S)  # several looks of the reclaimer while the job runs
-        running = not has_ended(redis_url, "for-ghost")
-        assert r.exists(NAMES.worker_requests("ghost")) and r.zscore(NAMES.worker_streams, "ghost") is not None
-        assert r.xpending(NAMES.worker_requests("ghost"), NAMES.group)["pending"] == 1  # no seat: not taken
-        assert not read_events(redis_url, "second")
+        await looks_pass()
+        running = r.xinfo_groups(ghost)[0]
+        assert (running["lag"], running["pending"]) == (0, 1) and r.zscore(NAMES.worker_streams, "ghost") is not None
+        assert r.xpending(ghost, NAMES.group)["consumers"] == [{"name": worker.cfg.consumer.encode(), "pending": 1}]
+        ghost_ran = not has_ended(redis_url, "for-ghost")
         await client.cancel("for-ghost")
         await wait_for(lambda: r.zscore(NAMES.worker_streams, "ghost") is None, timeout=15)
-    assert running, "the job ended before the looks: the test saw no pending entry"
-    assert [check_complete(read_events(redis_url, rid))["type"] for rid in ("for-ghost", "second")] == ["done"] * 2
-    assert caplog.text.count("took 1 job(s) routed to dead worker ghost") == 2
-    assert "removing the request stream of worker ghost, gone for good" in caplog.text
-    assert r.zscore(NAMES.worker_streams, "vanished") is None
-    assert r.exists(NAMES.worker_requests("ghost"), NAMES.worker_prefixes("ghost")) == 0
-    assert r.hget(NAMES.loads, "ghost") is None
+    assert busy_ran and ghost_ran, "a job ended before the looks: the test saw no busy seat"
+    assert check_complete(read_events(redis_url, "for-ghost"))["type"] == "done"
+    logged = [rec.getMessage() for rec in caplog.records]
+    assert logged.count("took 1 job(s) routed to dead worker ghost") == 1
+    assert "removing the request stream of worker ghost, gone for good" in logged
+    assert r.exists(ghost, NAMES.worker_prefixes("ghost")) == 0 and r.hget(NAMES.loads, "ghost") is None
     r.close()
 
 
@@ -99,7 +109,7 @@ async def test_a_job_a_live_worker_left_unread_past_claim_idle_is_taken(
     async with running_worker(llama_ckpt, redis_url, engine={"max_num_seqs": 1}, claim_idle_s=CLAIM_IDLE_S):
         await wait_for(lambda: has_ended(redis_url, "for-slow"), timeout=30)
     assert check_complete(read_events(redis_url, "for-slow"))["type"] == "done"
-    assert "took 1 job(s) routed to stalled worker slow" in caplog.text
+    assert "took 1 job(s) routed to stalled worker slow" in [rec.getMessage() for rec in caplog.records]
     assert r.zscore(NAMES.worker_streams, "slow") is not None and r.exists(NAMES.worker_requests("slow"))
     assert r.zscore(NAMES.worker_streams, "bare") is not None  # alive: its registration stays
     r.close()
