@@ -15,6 +15,7 @@ import pytest
 import redis
 from redis_worker_helpers import (
     check_complete,
+    dead_letters,
     has_ended,
     long_context_checkpoint,
     read_events,
@@ -85,6 +86,7 @@ async def test_a_dead_workers_job_waits_for_a_seat_and_its_stream_goes_once_empt
         await wait_for(lambda: r.zscore(NAMES.worker_streams, "ghost") is None, timeout=15)
     assert busy_ran and ghost_ran, "a job ended before the looks: the test saw no busy seat"
     assert check_complete(read_events(redis_url, "for-ghost"))["type"] == "done"
+    assert dead_letters(redis_url) == []  # taken over once, acked under its own entry
     logged = [rec.getMessage() for rec in caplog.records]
     assert logged.count("took 1 job(s) routed to dead worker ghost") == 1
     assert "removing the request stream of worker ghost, gone for good" in logged
