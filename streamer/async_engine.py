@@ -179,7 +179,7 @@ class AsyncEngine:
 
     def chat_template(self) -> Any:
         """The checkpoint's chat template (a string, a dict of named ones, or None): what tells which
-        format its tool calls come in (streamer/tool_parsers.py)."""
+        format its tool calls come in (workers/worker/tool_parsers.py)."""
         return getattr(self.engine.tokenizer, "chat_template", None)
 
     async def output_text(self, prompt_token_ids: list[int], token_ids: list[int], params: SamplingParams) -> str:

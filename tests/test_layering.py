@@ -268,3 +268,23 @@ def test_imports_are_read_from_every_place(tmp_path: Path) -> None:
     assert dynamic == ["workers/gateway/session.py:8", "workers/gateway/session.py:9"]
     assert import_cycles(graph_of(found + [Import("workers.gateway.server", "workers.gateway.session", "")])) \
         == [["workers.gateway.server", "workers.gateway.session"]]
+
+
+# Modules of the engine that nothing in it imports, and why they belong there all the same.
+ENGINE_ENTRY_POINTS = {
+    "streamer": "the package: its public face (LLM, LLMEngine, AsyncEngine, EngineConfig, SamplingParams, ...)",
+    "streamer.grammar_child": "the grammar compile process's entry point, started by module name",
+    "streamer.random_checkpoint": "tiny random checkpoints for the tests and benchmarks; to move with the tests",
+}
+
+
+def test_the_engine_holds_only_what_the_engine_uses() -> None:
+    """A module in streamer/ is imported from streamer/ itself (or is an entry point listed above):
+    serving code (tool-call parsers, protocols) lives with the programs that use it, in workers/."""
+    imports, _ = project_imports()
+    files = source_files()
+    inside = {i.target for i in imports if _top(i.importer) == "streamer" and i.importer != i.target}
+    stray = [m for m, path in files.items() if _top(m) == "streamer" and path.name != "__init__.py"
+             and m not in inside and m not in ENGINE_ENTRY_POINTS]
+    assert not stray, f"modules in streamer/ that the engine never imports (move them to their users): {stray}"
+    assert all(m in files for m in ENGINE_ENTRY_POINTS), "an entry point listed here no longer exists"

@@ -24,8 +24,8 @@ from clients.errors import ProtocolError
 from clients.protocol import Job, decode_job, encode_job
 from clients.redis_client import AsyncClient, RequestFailed
 from streamer import EngineConfig, LLMEngine, SamplingParams
-from streamer.tool_parsers import JsonArrayToolParser, NamedToolParser
 from workers.worker.tool_calls import NO_PARAMETERS, ToolCalls, call_id, sampling_params
+from workers.worker.tool_parsers import JsonArrayToolParser, NamedToolParser
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"], "properties": {
     "city": {"enum": ["Oslo", "Paris", "Lima"]}, "unit": {"enum": ["C", "F"]},

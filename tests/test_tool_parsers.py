@@ -1,4 +1,4 @@
-"""Tool-call parsers (streamer/tool_parsers.py) on crafted outputs: each family's whole parse is what the
+"""Tool-call parsers (workers/worker/tool_parsers.py) on crafted outputs: each family's whole parse is what the
 format means, and streaming the same text, split at every character position (and char by char, and
 at random places of generated texts), hands out exactly the whole parse, in well-formed deltas."""
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from test_tool_messages import TEMPLATE as HERMES_TEMPLATE
 
 from streamer.random_checkpoint import CHAT_TEMPLATE
-from streamer.tool_parsers import (
+from workers.worker.tool_parsers import (
     HermesToolParser,
     JsonArrayToolParser,
     Llama3JsonToolParser,

@@ -22,12 +22,12 @@ import anyio
 
 from clients.protocol import Limits
 from streamer import EngineConfig
-from streamer.tool_parsers import FAMILIES
 from workers.allocator import CHOICES, exec_with_allocator
 from workers.arg_types import optional_port
 from workers.redis_options import add_pool_arguments, add_redis_arguments, check_redis, names_from_args
 from workers.worker.config import WorkerConfig
 from workers.worker.metrics_server import check_port
+from workers.worker.tool_parsers import FAMILIES
 
 # Short aliases for the options people type most.
 _ALIASES = {"tensor_parallel_size": ["--tp"]}

@@ -31,7 +31,7 @@ class WorkerConfig:
     read_linger_ms: float = 3.0  # after a partial read, wait this long for more of a burst
     model_name: str = ""
     served_model_name: str = ""  # the name OpenAI-API clients ask for (heartbeat `served_model_name`)
-    # How `tool_choice: auto` reads tool calls (streamer/tool_parsers.py): "auto" = the family the chat
+    # How `tool_choice: auto` reads tool calls (workers/worker/tool_parsers.py): "auto" = the family the chat
     # template shows, "hermes" / "llama3_json" = that one, "none" = never.
     tool_call_parser: str = "auto"
     # Dead letters (answers.py): how much of a job's payload each keeps, and how long / how many are kept.

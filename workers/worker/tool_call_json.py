@@ -1,4 +1,4 @@
-"""The JSON pieces every tool-call parser reads (streamer/tool_parsers.py): where a JSON value ends,
+"""The JSON pieces every tool-call parser reads (workers/worker/tool_parsers.py): where a JSON value ends,
 whether text opens a call object (`{"name": "...", "arguments": `), and the deltas a parser hands out.
 
 Scanning is structural (brackets, strings and escapes are followed, nothing is validated): a model's

@@ -14,7 +14,7 @@ from typing import Any
 
 from clients.protocol import Job
 from streamer.structured_outputs import DATA_KEYWORDS, SCHEMA_MAPS
-from streamer.tool_parsers import FAMILIES, JsonArrayToolParser, NamedToolParser, ToolParser, family_of
+from workers.worker.tool_parsers import FAMILIES, JsonArrayToolParser, NamedToolParser, ToolParser, family_of
 
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: omitted = none
 

@@ -19,7 +19,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamer.tool_call_json import WS, CallScanner, Deltas, Extent, IdMaker, call_of, held_back, index_ids, value_end
+from workers.worker.tool_call_json import (
+    WS,
+    CallScanner,
+    Deltas,
+    Extent,
+    IdMaker,
+    call_of,
+    held_back,
+    index_ids,
+    value_end,
+)
 
 Delta = tuple[str, list[dict[str, Any]]]  # (content text, tool-call deltas)
 
