@@ -87,6 +87,7 @@ async def test_a_dead_workers_job_waits_for_a_seat_and_its_stream_goes_once_empt
     assert busy_ran and ghost_ran, "a job ended before the looks: the test saw no busy seat"
     assert check_complete(read_events(redis_url, "for-ghost"))["type"] == "done"
     assert dead_letters(redis_url) == []  # taken over once, acked under its own entry
+    assert not [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.ERROR]  # no pass refused
     logged = [rec.getMessage() for rec in caplog.records]
     assert logged.count("took 1 job(s) routed to dead worker ghost") == 1
     assert "removing the request stream of worker ghost, gone for good" in logged
@@ -98,19 +99,25 @@ async def test_a_dead_workers_job_waits_for_a_seat_and_its_stream_goes_once_empt
 async def test_a_job_a_live_worker_left_unread_past_claim_idle_is_taken(
         llama_ckpt: Path, redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
     """A worker that beats but has not read a job routed to it for longer than claim_idle_s (stalled)
-    loses it to a worker with room; its stream, alive, stays."""
+    loses it to a worker with room, here one seat; its stream, alive, stays. A job a crashed consumer
+    held in the shared stream is claimed by that one seat too."""
     caplog.set_level(logging.INFO, logger="streamer.worker")
     r = redis.Redis.from_url(redis_url)
     r.zadd(NAMES.heartbeats, {"slow": redis_now_ms(r) + 60_000, "bare": redis_now_ms(r) + 60_000})  # beating
-    # Looked at first (the oldest beat): a live worker whose stream is not there (Redis lost it, or it has
-    # only just registered). Nothing to take from it, and no reason to stop looking at the others.
+    # Looked at first (the oldest beat): a live worker whose stream holds no group of ours (Redis lost it,
+    # or it has only just registered). Nothing to take from it, and no reason to stop looking at the others.
     r.zadd(NAMES.worker_streams, {"bare": redis_now_ms(r) - 1000})
+    r.xadd(NAMES.worker_requests("bare"), {"not": "a job"})
+    r.xgroup_create(NAMES.requests, NAMES.group, id="0", mkstream=True)
+    r.xadd(NAMES.requests, encode_job({"id": "orphan", "prompt": "hi", "params": SHORT}))
+    r.xreadgroup(NAMES.group, "crashed", {NAMES.requests: ">"})  # read, never answered
     ten_s_ago = f"{redis_now_ms(r) - 10_000}-0"  # pushed 10 s ago, unread since
     routed_to(r, "slow", "for-slow", redis_now_ms(r), SHORT, entry_id=ten_s_ago)
     # One seat: a worker with room for exactly one job takes it.
     async with running_worker(llama_ckpt, redis_url, engine={"max_num_seqs": 1}, claim_idle_s=CLAIM_IDLE_S):
-        await wait_for(lambda: has_ended(redis_url, "for-slow"), timeout=30)
-    assert check_complete(read_events(redis_url, "for-slow"))["type"] == "done"
+        await wait_for(lambda: has_ended(redis_url, "for-slow") and has_ended(redis_url, "orphan"), timeout=30)
+    assert [check_complete(read_events(redis_url, rid))["type"] for rid in ("for-slow", "orphan")] == ["done"] * 2
+    assert not [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.ERROR]  # no pass refused
     assert "took 1 job(s) routed to stalled worker slow" in [rec.getMessage() for rec in caplog.records]
     assert r.zscore(NAMES.worker_streams, "slow") is not None and r.exists(NAMES.worker_requests("slow"))
     assert r.zscore(NAMES.worker_streams, "bare") is not None  # alive: its registration stays
