@@ -54,13 +54,14 @@ async def test_a_dead_workers_job_waits_for_a_seat_and_its_stream_goes_once_empt
     """One seat. While it is taken by a job of the shared stream, the dead worker's job stays unread in
     its stream, and the stream stays; once the seat is free the job runs here, and while it runs (its
     entry pending there) the stream still stays; once it is answered the stream, the dead worker's load
-    and its prefixes go. A dead worker whose stream is already gone loses its registration meanwhile."""
+    and its prefixes go. A dead worker whose stream is already gone loses its registration meanwhile; one
+    that stopped beating less than consumer_idle_s ago keeps its (empty) stream."""
     caplog.set_level(logging.INFO, logger="streamer.worker")
     r = redis.Redis.from_url(redis_url)
     ghost = NAMES.worker_requests("ghost")
     ckpt = long_context_checkpoint(tmp_path / "ckpt")  # room for jobs that outlast the looks below
     async with running_worker(ckpt, redis_url, engine={"num_kv_blocks": 1100, "max_num_seqs": 1},
-                              claim_idle_s=CLAIM_IDLE_S, consumer_idle_s=1.0) as worker, \
+                              claim_idle_s=CLAIM_IDLE_S, consumer_idle_s=30.0) as worker, \
             AsyncClient(redis_url) as client:
         await client.submit("hi", id="busy", params=LONG)
         await wait_for(lambda: len(read_events(redis_url, "busy")) > 2, timeout=30)  # the seat is taken
@@ -70,6 +71,8 @@ async def test_a_dead_workers_job_waits_for_a_seat_and_its_stream_goes_once_empt
         # Looked at first (the oldest beat): a dead worker whose stream is gone (evicted, deleted by hand,
         # lost with a shard). Nothing to take from it; its registration goes, the others are still looked at.
         r.zadd(NAMES.worker_streams, {"vanished": redis_now_ms(r) - 120_000})
+        r.xgroup_create(NAMES.worker_requests("recent"), NAMES.group, id="0", mkstream=True)
+        r.zadd(NAMES.worker_streams, {"recent": redis_now_ms(r)})  # no heartbeat since: dead, but lately
         await wait_for(lambda: r.zscore(NAMES.worker_streams, "vanished") is None, timeout=10)
         await looks_pass()
         waiting = r.xinfo_groups(ghost)[0]
@@ -92,6 +95,7 @@ async def test_a_dead_workers_job_waits_for_a_seat_and_its_stream_goes_once_empt
     assert logged.count("took 1 job(s) routed to dead worker ghost") == 1
     assert "removing the request stream of worker ghost, gone for good" in logged
     assert r.exists(ghost, NAMES.worker_prefixes("ghost")) == 0 and r.hget(NAMES.loads, "ghost") is None
+    assert r.zscore(NAMES.worker_streams, "recent") is not None and r.exists(NAMES.worker_requests("recent"))
     r.close()
 
 
