@@ -10,6 +10,7 @@ Dead letters: test_dead_letters.py.
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import time
 from pathlib import Path
@@ -161,11 +162,18 @@ def _consumers(r: redis.Redis) -> dict[str, int]:
 
 
 @pytest.mark.anyio
-async def test_idle_consumers_holding_nothing_are_deleted(redis_url: str) -> None:
+async def test_idle_consumers_holding_nothing_are_deleted(redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """In every request stream (the shared one and the workers' own); the log names the first ten."""
+    caplog.set_level(logging.INFO, logger="streamer.worker")
     r = redis.Redis.from_url(redis_url)
     r.xgroup_create(NAMES.requests, NAMES.group, id="0", mkstream=True)
-    for name in ("crashed-1", "crashed-2", "beating"):
+    crashed = [f"crashed-{i}" for i in range(1, 11)]
+    for name in (*crashed, "beating"):
         r.xgroup_createconsumer(NAMES.requests, NAMES.group, name)
+    elsewhere = NAMES.worker_requests("other")  # a worker's own stream, with a crashed reader of its own
+    r.zadd(NAMES.worker_streams, {"other": redis_now_ms(r)})
+    r.xgroup_create(elsewhere, NAMES.group, id="0", mkstream=True)
+    r.xgroup_createconsumer(elsewhere, NAMES.group, "crashed-elsewhere")
     r.xadd(NAMES.requests, {"json": "{}"})
     r.xreadgroup(NAMES.group, "holder", {NAMES.requests: ">"}, count=1)  # holds an entry: never deleted
     r.zadd(NAMES.heartbeats, {"beating": redis_now_ms(r) + 60_000})  # alive, however idle: never deleted
@@ -174,7 +182,11 @@ async def test_idle_consumers_holding_nothing_are_deleted(redis_url: str) -> Non
     cfg = WorkerConfig(redis_url=redis_url, consumer_idle_s=0.3)
     async with aioredis.Redis.from_url(redis_url) as ar:
         reclaimer = Reclaimer(ar, cfg, WorkerState(lambda: 0), intake=None)  # type: ignore[arg-type]
-        assert sorted(await reclaimer.drop_idle_consumers()) == ["crashed-1", "crashed-2"]
+        removed = await reclaimer.drop_idle_consumers()
+    assert removed == sorted([*crashed, "crashed-elsewhere"])
+    assert [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("removed")] == [
+        f"removed 11 idle consumer(s) holding no job from group {NAMES.group}: {', '.join(removed[:10])} ..."]
+    assert not r.xinfo_consumers(elsewhere, NAMES.group)
     assert _consumers(r) == {"holder": 1, "beating": 0, "just-started": 0}
     r.close()
 
