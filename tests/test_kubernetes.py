@@ -40,13 +40,19 @@ def crd_schema(kind: str) -> dict:
 @pytest.mark.parametrize("name, doc", [d for d in documents() if not d[1]["apiVersion"].startswith("keda.sh/")],
                          ids=lambda v: v if isinstance(v, str) else "")
 def test_core_objects_validate_against_the_kubernetes_schema(name: str, doc: dict) -> None:
-    kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    try:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        error = None
+    except kubernetes_validate.ValidationError as e:
+        error = e.message
+    assert error is None, error
 
 
 @pytest.mark.parametrize("name, doc", [d for d in documents() if d[1]["apiVersion"].startswith("keda.sh/")],
                          ids=lambda v: v if isinstance(v, str) else "")
 def test_keda_objects_validate_against_kedas_crd(name: str, doc: dict) -> None:
-    jsonschema.validate(doc, crd_schema(doc["kind"]))
+    errors = [e.message for e in jsonschema.Draft7Validator(crd_schema(doc["kind"])).iter_errors(doc)]
+    assert not errors, errors
 
 
 def test_the_crd_schema_catches_a_wrong_object() -> None:
