@@ -277,6 +277,14 @@ async def test_a_push_that_fails_with_redis_leaves_the_id_free_for_the_retry(
         await asyncio.sleep(2)
         await send(ws, {"type": "generate", "id": "f1", "prompt": "x"})
         assert (await recv(ws))["type"] == "accepted"
+        # `accepted` goes out just before the push: give the push a moment to land.
+        jobs = await _jobs(gw)
+        for _ in range(250):
+            if jobs:
+                break
+            await asyncio.sleep(0.02)
+            jobs = await _jobs(gw)
+        await asyncio.sleep(0.2)  # and then no second job may follow
         assert [job.id for job in await _jobs(gw)] == ["f1"]
 
 
