@@ -125,7 +125,7 @@ TARGETS: dict[str, Target] = {
     "admission": Target("workers/gateway/admission.py", ("tests/test_admission.py", "tests/test_gateway_limits.py")),
     "tenants": Target("workers/gateway/tenants.py", ("tests/test_tenant_rules.py", "tests/test_gateway_tenants.py")),
     "session": Target("workers/gateway/session.py", ("tests/test_gateway.py", "tests/test_gateway_limits.py")),
-    "openai_routes": Target("workers/gateway/openai_routes.py", ("tests/test_openai_api.py",)),
+    "openai_routes": Target("workers/gateway/openai/routes.py", ("tests/test_openai_api.py",)),
 }
 
 

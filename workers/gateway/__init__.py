@@ -6,7 +6,7 @@
 - routes.py: plain HTTP and the handshake checks (API keys, origins); admission.py: what a job must
   pass before it is pushed.
 - session.py: one WebSocket connection (frames, limits, send queue); socket_conn.py: the socket.
-- openai_routes.py, openai_jobs.py, openai_request.py, openai_response.py, openai_stream.py: the
+- openai/routes.py, openai/jobs.py, openai/request.py, openai/response.py, openai/stream.py: the
   OpenAI-compatible API.
 - hub.py: the Redis side (jobs, cancels, pub/sub relay); watch.py: one request's events in order,
   gaps filled; metrics.py: the Prometheus metrics (prometheus_client).

@@ -2,7 +2,7 @@
 
 Refusals (bad API key, foreign origin, no room) happen before the WebSocket is accepted, as plain
 HTTP answers (the ASGI denial-response extension), so a refused client never gets a frame or a job.
-The OpenAI-compatible API is mounted beside these (openai_routes.py).
+The OpenAI-compatible API is mounted beside these (openai/routes.py).
 """
 
 from __future__ import annotations

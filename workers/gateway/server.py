@@ -7,7 +7,7 @@ state that matters: everything lives in Redis, so a browser that reloads, or rec
 gateway, resumes its answer from the events stream.
 
 `Gateway` wires the parts of this package into one Starlette app served by uvicorn: routes.py (HTTP,
-API keys, origins), openai_routes.py (the OpenAI-compatible API), session.py (one socket: frames,
+API keys, origins), openai/routes.py (the OpenAI-compatible API), session.py (one socket: frames,
 limits, send queue; it gets the hub, the metrics and the grace-period cancels passed in), hub.py
 (Redis: jobs, cancels, pub/sub relay with gap filling), tenants.py (the keys' tenants and their
 limits, checked in Redis before each push), metrics.py.
@@ -37,8 +37,8 @@ from workers.gateway.config import GatewayConfig
 from workers.gateway.http_protocol import with_header_deadline
 from workers.gateway.hub import Hub
 from workers.gateway.metrics import Metrics
-from workers.gateway.openai_jobs import JobStream
-from workers.gateway.openai_routes import OpenAIRoutes
+from workers.gateway.openai.jobs import JobStream
+from workers.gateway.openai.routes import OpenAIRoutes
 from workers.gateway.routes import WS_PATH, Routes, request_token
 from workers.gateway.session import Session
 from workers.gateway.socket_conn import SocketConn, with_transport

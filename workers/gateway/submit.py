@@ -1,4 +1,4 @@
-"""How both APIs (`/ws` frames, session.py; the OpenAI routes, openai_routes.py) turn checked jobs into
+"""How both APIs (`/ws` frames, session.py; the OpenAI routes, openai/routes.py) turn checked jobs into
 pushed ones: claim each id, admit the jobs under their tenant's limits, let the caller subscribe, push,
 and on any failure give back what was taken, so a refused or failed request leaves no trace a retry
 with the same id would trip over.

@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from workers.gateway.openai_jobs import SHUTDOWN
-from workers.gateway.openai_request import bad
-from workers.gateway.openai_response import Assembler, StreamMeta
+from workers.gateway.openai.jobs import SHUTDOWN
+from workers.gateway.openai.request import bad
+from workers.gateway.openai.response import Assembler, StreamMeta
 
 _WHOLE = 1 << 30  # "every chunk of this event"
 # One encoder for every chunk: json.dumps with options builds a new one per call.

@@ -25,10 +25,10 @@ from clients.backoff import TRANSIENT
 from clients.errors import ProtocolError
 from clients.protocol import ID_RE, MAX_SESSION_CHARS, VERSION
 from workers.gateway.admission import check_job
-from workers.gateway.openai_jobs import Gateway, JobStream
-from workers.gateway.openai_request import OpenAIError, OpenAIRequest, bad, parse_chat, parse_completion
-from workers.gateway.openai_response import Assembler, StreamMeta
-from workers.gateway.openai_stream import Position, sse_events, wants_resumable
+from workers.gateway.openai.jobs import Gateway, JobStream
+from workers.gateway.openai.request import OpenAIError, OpenAIRequest, bad, parse_chat, parse_completion
+from workers.gateway.openai.response import Assembler, StreamMeta
+from workers.gateway.openai.stream import Position, sse_events, wants_resumable
 from workers.gateway.routes import key_ok, request_token
 from workers.gateway.submit import submit_jobs
 from workers.gateway.tenants import RateLimited, job_id, may_access, tag

@@ -14,7 +14,7 @@ from clients.protocol import Limits
 from workers.gateway.config import GatewayConfig
 from workers.gateway.hub import Hub
 from workers.gateway.metrics import Metrics
-from workers.gateway.openai_response import StreamMeta
+from workers.gateway.openai.response import StreamMeta
 from workers.gateway.tenants import TenantGate
 
 
