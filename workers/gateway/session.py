@@ -30,9 +30,10 @@ from workers.gateway.admission import check_job
 from workers.gateway.config import GatewayConfig
 from workers.gateway.hub import Hub
 from workers.gateway.metrics import Metrics
+from workers.gateway.resume import begin_resume, check_known
 from workers.gateway.socket_conn import SocketClosed, SocketConn
 from workers.gateway.submit import submit_jobs
-from workers.gateway.tenants import RateLimited, TenantGate, client_id, job_id, may_access, tag
+from workers.gateway.tenants import RateLimited, TenantGate, client_id, job_id, tag
 from workers.gateway.watch import FINAL_TYPES, Watch
 
 log = logging.getLogger("streamer.gateway")
@@ -241,20 +242,11 @@ class Session:
             raise ProtocolError("invalid_request", "`after_seq` must be an integer >= -1 (the last seq "
                                 "received; -1 replays from the start)", rid)
         self._check_room(rid)
-        await self._check_known(rid)
-        # Stop the grace-period cancel, here and (through Redis) on any other gateway that has one.
-        self.grace.keep(rid)
-        await self.hub.announce_resume(rid)
-        last = await self.hub.last_event(rid)
-        last_seq = last.get("seq") if last is not None else None
-        last_seq = last_seq if isinstance(last_seq, int) and not isinstance(last_seq, bool) else -1
-        if last is not None and last.get("type") in FINAL_TYPES and last_seq <= after:
+        point = await begin_resume(self.hub, self.grace.keep, self.tenant, rid)
+        last_seq = point.last_seq
+        if point.finished and last_seq <= after:
             raise ProtocolError("already_finished", f"request {rid!r} finished at seq {last_seq}", rid)
-        if after > last_seq:
-            # Nobody can have received a seq that is not written yet: the client's state is not this
-            # request's (a wrong id, events that expired). Waiting for it could take forever.
-            raise ProtocolError("invalid_request", f"`after_seq` {after} is beyond request {rid!r}'s last "
-                                f"event (seq {last_seq}); resume after a seq you received, or -1", rid)
+        point.check_position(after)
         self.metrics.inc("resumes_total")
         if frames.wants_progress(obj):
             # What follows up to `last_seq` is replayed from Redis, not generated now: a client's
@@ -267,15 +259,9 @@ class Session:
     async def _cancel(self, obj: dict[str, Any]) -> None:
         rid = job_id(self.tenant, frames.request_id(obj))
         if self.tenant:
-            await self._check_known(rid)
+            await check_known(self.hub, self.tenant, rid)
         self.grace.keep(rid)
         await self.hub.cancel(rid)
-
-    async def _check_known(self, rid: str) -> None:
-        """`unknown_request` for an id with no job, and for another tenant's request: to a stranger
-        it does not exist."""
-        if not await self.hub.known(rid) or not may_access(self.tenant, await self.hub.owner(rid)):
-            raise ProtocolError("unknown_request", f"no request {rid!r} (never submitted, or expired)", rid)
 
     # --- relaying ----------------------------------------------------------------------------------
 

@@ -29,9 +29,10 @@ from workers.gateway.openai.jobs import Gateway, JobStream
 from workers.gateway.openai.request import OpenAIError, OpenAIRequest, bad, parse_chat, parse_completion
 from workers.gateway.openai.response import Assembler, StreamMeta
 from workers.gateway.openai.stream import Position, sse_events, wants_resumable
+from workers.gateway.resume import begin_resume
 from workers.gateway.routes import key_ok, request_token
 from workers.gateway.submit import submit_jobs
-from workers.gateway.tenants import RateLimited, job_id, may_access, tag
+from workers.gateway.tenants import RateLimited, job_id, tag
 
 log = logging.getLogger("streamer.gateway")
 _MODELS_TTL_S = 2.0  # how long the list of served models is reused
@@ -289,18 +290,14 @@ class OpenAIRoutes:
         if len(meta.jobs) != 1:
             raise bad("only a request with one prompt can be resumed", "request_id")
         rid = meta.jobs[0]  # its id in Redis (a tenant's is namespaced)
-        # Another tenant's request is answered as if it did not exist: its id tells a stranger nothing.
-        if not await self.gw.hub.known(rid) or not may_access(caller, await self.gw.hub.owner(rid)):
-            raise OpenAIError(404, f"no stream {rid!r} (expired)", "request_id", "unknown_request")
-        last = await self.gw.hub.last_event(rid)
-        last_seq = last.get("seq", -1) if last is not None else -1
-        if isinstance(last_seq, int) and position.seq > last_seq:
-            # As /ws refuses an after_seq past the last event: no client can have received it (a
-            # wrong id, events that expired), and waiting for it could take forever.
-            raise bad(f"position {position.seq} is beyond request {rid!r}'s last event (seq {last_seq}); "
-                      "resume after an event you received", "Last-Event-ID")
-        self.gw.keep(rid)  # stop the grace-period cancel here and, through Redis, on any other gateway
-        await self.gw.hub.announce_resume(rid)
+        try:
+            point = await begin_resume(self.gw.hub, self.gw.keep, caller, rid)
+            point.check_position(position.seq)
+        except ProtocolError as e:
+            # Another tenant's request is answered as if it did not exist: its id tells a stranger nothing.
+            if e.code == "unknown_request":
+                raise OpenAIError(404, f"no stream {rid!r} (expired)", "request_id", "unknown_request") from e
+            raise bad(e.message, "Last-Event-ID") from e
         self.gw.metrics.inc("resumes_total")
         stream = JobStream(self.gw, meta)
         try:
