@@ -20,6 +20,7 @@ from streamer.config import EngineConfig
 from streamer.detokenizer import IncrementalDetokenizer
 from streamer.errors import EngineDeadError
 from streamer.llm_engine import LLMEngine
+from streamer.lora.request import LoRARequest
 from streamer.outputs import PromptProgress, RequestOutput, StepRecord
 from streamer.prompts import PromptProcessor, TokenizedPrompt
 from streamer.sampling_params import SamplingParams
@@ -39,6 +40,7 @@ class AddCommand:
     stream: asyncio.Queue[RequestOutput | BaseException]  # where its outputs go
     accepted: asyncio.Future[None]  # settled once the engine took or refused it
     session: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -99,11 +101,12 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     async def generate(self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0,
-                       resume_token_ids: list[list[int]] | None = None, session: str | None = None
-                       ) -> AsyncGenerator[RequestOutput, None]:
+                       resume_token_ids: list[list[int]] | None = None, session: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Deltas of one request; raises ValueError/QueueFullError before the first if rejected.
         Leaving the loop early (break, cancellation) aborts the request. Calls of a `session`
-        queue behind calls of sessions that have had less service (LLMEngine.add_request)."""
+        queue behind calls of sessions that have had less service (LLMEngine.add_request). With
+        `lora_request` it runs under that adapter (an adapter that cannot be served: ValueError)."""
         if self._error is not None:
             raise EngineDeadError(f"engine stopped after an error: {self._error}")
         await self.start()
@@ -114,7 +117,8 @@ class AsyncEngine:
         accepted: asyncio.Future[None] = self._loop.create_future()
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._pending_adds += 1
-        self._send(AddCommand(request_id, prompt, params, priority, resume_token_ids, stream, accepted, session))
+        self._send(AddCommand(request_id, prompt, params, priority, resume_token_ids, stream, accepted, session,
+                              lora_request))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -230,7 +234,7 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.add_request(command.request_id, command.prompt, command.params, command.priority,
-                                        command.resume_token_ids, command.session)
+                                        command.resume_token_ids, command.session, command.lora_request)
             except Exception as exc:  # rejected: hand the reason to the caller
                 self._call(_settle, command.accepted, exc)
                 continue

@@ -108,7 +108,10 @@ class BlockManager:
         hashes = list(known)
         bs = self.block_size
         for i in range(len(hashes), num_tokens // bs):
-            hashes.append(chain_hash(hashes[-1] if hashes else None, seq.token_ids[i * bs:(i + 1) * bs]))
+            # An adapter's sequences start their chain from the adapter's key: the same tokens under
+            # another adapter (or none) have other K/V, so they must never share blocks.
+            root = seq.lora.cache_key() if seq.lora is not None else None
+            hashes.append(chain_hash(hashes[-1] if hashes else root, seq.token_ids[i * bs:(i + 1) * bs]))
         return hashes
 
     def cache_full_blocks(self, seq: Sequence) -> None:

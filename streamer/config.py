@@ -39,6 +39,10 @@ class EngineConfig:
     # Speculative decoding (spec_decode/config.py), as vLLM's: {"method": "ngram", "num_speculative_tokens": 4,
     # "prompt_lookup_max": 4, "prompt_lookup_min": 2}; None: off.
     speculative_config: dict[str, Any] | None = None
+    # Multi-LoRA (docs/lora.md): adapters held in device slots at once (least recently used evicted;
+    # 0: no adapters), and the largest adapter rank accepted.
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -66,6 +70,8 @@ class EngineConfig:
             (self.grammar_mask_budget_s > 0 and self.grammar_request_budget_s > 0
              and self.grammar_compile_timeout_s > 0, "the grammar budgets and compile timeout must be positive"),
             (self.grammar_compile_workers > 0, "grammar_compile_workers must be positive"),
+            (self.max_loras >= 0, "max_loras must be 0 or more"),
+            (0 < self.max_lora_rank <= 256, "max_lora_rank must be in 1..256"),
         ]
         for ok, message in checks:
             if not ok:

@@ -6,6 +6,7 @@ from typing import Any
 
 from streamer.config import EngineConfig
 from streamer.llm_engine import LLMEngine
+from streamer.lora.request import LoRARequest
 from streamer.outputs import CompletionOutput, RequestOutput
 from streamer.sampling_params import SamplingParams
 
@@ -18,8 +19,10 @@ class LLM:
         self._next_id = 0
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
-                 priorities: list[int] | None = None) -> list[RequestOutput]:
-        """Run all prompts to completion; outputs are whole (not deltas), in prompt order."""
+                 priorities: list[int] | None = None,
+                 lora_request: LoRARequest | None | list[LoRARequest | None] = None) -> list[RequestOutput]:
+        """Run all prompts to completion; outputs are whole (not deltas), in prompt order.
+        `lora_request`: one adapter for all prompts, or one per prompt (None: the base model), as vLLM's."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -27,11 +30,15 @@ class LLM:
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError("give one lora_request, or one per prompt")
         ids = []
         for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
             request_id = f"llm-{self._next_id}"
             self._next_id += 1
-            self.engine.add_request(request_id, prompt, p, priority=priorities[i] if priorities else 0)
+            self.engine.add_request(request_id, prompt, p, priority=priorities[i] if priorities else 0,
+                                    lora_request=loras[i])
             ids.append(request_id)
         merged: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():

@@ -20,6 +20,7 @@ from streamer.fault_isolation import execute_isolated
 from streamer.generation_defaults import generation_defaults
 from streamer.grammar import GrammarCompiler
 from streamer.grammar_masks import Budgets
+from streamer.lora.request import LoRARequest
 from streamer.model_config import ModelConfig
 from streamer.output_processor import OutputProcessor
 from streamer.outputs import PromptProgress, RequestOutput, StepRecord
@@ -72,7 +73,7 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching, max_waiting_requests=config.max_waiting_requests,
             max_waiting_tokens=config.max_waiting_tokens, eos_token_ids=self.eos_token_ids,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-            sliding_window=self.model_config.kv_window),
+            sliding_window=self.model_config.kv_window, max_loras=config.max_loras),
             proposer=self.proposer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.prompts = PromptProcessor(self.tokenizer, self.model_config.hf_config.vocab_size, self.max_model_len)
@@ -93,9 +94,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict[str, Any] | TokenizedPrompt,
                     params: SamplingParams, priority: int = 0,
-                    resume_token_ids: list[list[int]] | None = None, session: str | None = None) -> None:
+                    resume_token_ids: list[list[int]] | None = None, session: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request. Its `session` (a conversation or an agent) is ranked in the waiting
-        queue by the service the session has had so far: fresh sessions go ahead of heavy ones."""
+        queue by the service the session has had so far: fresh sessions go ahead of heavy ones.
+        With `lora_request` it runs under that adapter, read and checked here (ValueError if it
+        cannot be served) and put in a device slot when it first runs."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         if request_id in self.scheduler.requests:
@@ -114,11 +118,27 @@ class LLMEngine:
         seqs = [Sequence(request_id=request_id, index=i, token_ids=tokens + list(resume[i] if i < len(resume) else []),
                          num_prompt_tokens=len(tokens), params=params, priority=priority, session=session)
                 for i in range(params.n)]
+        if lora_request is not None:
+            self._check_lora(lora_request)
+            for seq in seqs:
+                seq.lora = lora_request
         if params.structured_outputs is not None:
             self._constrain(seqs, params.structured_outputs)
         request = Request(request_id, tokens, params, seqs, text)
         self.scheduler.add_request(request, resumed=bool(resume))
         self.output_processor.add_request(request, resume)
+
+    def _check_lora(self, lora: LoRARequest) -> None:
+        manager = getattr(self.runner, "lora", None)
+        if manager is None:
+            raise ValueError("this engine serves no LoRA adapters (max_loras 0, or tensor parallelism: "
+                             "adapters run with tensor_parallel_size 1)")
+        manager.check(lora)
+
+    def loaded_loras(self) -> list[str]:
+        """Names of the adapters in device slots now (the worker advertises them for routing)."""
+        manager = getattr(self.runner, "lora", None)
+        return manager.loaded() if manager is not None else []
 
     def grammars(self) -> GrammarCompiler:
         """The compiler of structured_outputs specs (xgrammar loads on the first constrained request)."""
@@ -226,6 +246,7 @@ class LLMEngine:
             "dtype": str(self.model_config.dtype).replace("torch.", ""),
             "attention_backend": self.runner.backend.name,
             "tensor_parallel_size": self.config.tensor_parallel_size,
+            "loras": self.loaded_loras(),
         }
 
 

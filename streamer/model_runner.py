@@ -15,6 +15,7 @@ from streamer.config import EngineConfig
 from streamer.decode_graphs import DecodeBuffers, DecodeGraphs, graph_buckets
 from streamer.kv_cache_sizing import GIB, GpuMemory, cpu_kv_blocks, gpu_kv_blocks
 from streamer.layers.cpu_gemm import pack_model
+from streamer.lora.manager import LoRAManager
 from streamer.memory_probe import available_memory, forward_peak, profile_step
 from streamer.model_config import ModelConfig
 from streamer.model_loader import load_weights
@@ -50,6 +51,11 @@ class ModelRunner:
             torch.set_default_dtype(torch.float32)
         load_weights(self.model, model_config.path)
         self.model.eval()
+        # Adapters ride on the linear modules' outputs (forward hooks); with tensor parallelism each
+        # rank would need its shard of every adapter, which is not built: LoRA runs on one rank. Built
+        # before packing, which drops the dense weights whose shapes the adapters' stacks take.
+        self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, device) \
+            if config.max_loras and tp_group.size == 1 else None
         if device.type == "cpu" and config.cpu_gemm == "onednn":
             pack_model(self.model, batch_hint=min(config.max_num_seqs, 64))
         # Every rank must hold the same number of blocks: the scheduler in rank 0 hands out ids.
@@ -125,7 +131,8 @@ class ModelRunner:
         sequence samples). With tensor parallelism every rank runs this on the same inputs."""
         if inputs.block_copies.numel():
             self.backend.copy_blocks(self.key_caches, self.value_caches, inputs.block_copies)
-        if self.graphs is not None and self.graphs.handles(inputs):
+        lora_step = self.lora is not None and self.lora.batch.active
+        if self.graphs is not None and self.graphs.handles(inputs) and not lora_step:  # graphs hold no adapter
             return self.graphs.run(inputs)
         rows = inputs.sample_rows
         if rows.numel() < inputs.input_ids.numel():  # a prompt's chunk: most rows only feed the cache
@@ -154,7 +161,12 @@ class ModelRunner:
         flat = payload_tensor(step.payload).to(self.device, non_blocking=True)
         inputs = unflatten_step(step.header, flat)
         t1 = time.monotonic()
-        logits = self.run(inputs)
+        lora = self.lora is not None and self.lora.begin_step(step.row_loras, inputs.sample_rows)
+        try:
+            logits = self.run(inputs)
+        finally:
+            if lora:
+                self.lora.end_step()
         t2 = time.monotonic()
         result = self.sample(step, logits)
         self.phases = StepPhases(prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=time.monotonic() - t2)

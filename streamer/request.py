@@ -11,6 +11,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from streamer.lora.request import LoRARequest
 from streamer.outputs import RequestMetrics
 from streamer.sampling_params import SamplingParams
 
@@ -51,6 +52,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     num_preemptions: int = 0
     grammar: GrammarState | None = field(default=None, repr=False)  # structured outputs (grammar.py)
+    lora: LoRARequest | None = None  # the adapter it runs under (streamer/lora); None: the base model
 
     @property
     def num_tokens(self) -> int:
@@ -72,7 +74,7 @@ class Sequence:
         """A new sequence of the same request holding the same tokens (nothing computed)."""
         return Sequence(request_id=self.request_id, index=self.index, token_ids=list(self.token_ids),
                         num_prompt_tokens=self.num_prompt_tokens, params=self.params, priority=self.priority,
-                        session=self.session)
+                        session=self.session, lora=self.lora)
 
 
 @dataclass(eq=False)

@@ -53,6 +53,7 @@ class SchedulerConfig:
     max_wait_rank_s: float | None = 30.0  # after this long waiting, a heavy session's call ranks as a fresh one
     num_speculative_tokens: int = 0  # drafts per decoding sequence and step, when a proposer is given
     sliding_window: int = 0  # > 0: every layer attends to this many keys; blocks before them are released
+    max_loras: int = 0  # distinct adapters running at once (the runner's slots; streamer/lora)
 
 
 class Scheduler:
@@ -195,8 +196,14 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
         held = []  # prompts waiting for a prefix that a running prompt is computing
+        # Adapters of the running sequences: a step holds at most max_loras (one device slot each),
+        # so a sequence of yet another adapter waits until one of them has no sequence running.
+        adapters = {s.lora for s in self.running if s.lora is not None}
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek()
+            if seq.lora is not None and seq.lora not in adapters and len(adapters) >= self.config.max_loras:
+                held.append(self.waiting.pop_entry())
+                continue
             hit = bm.find_cached_prefix(seq)
             if hit.pending or not self._mask_ready(seq):  # shared on its next step / its first mask is still filling
                 held.append(self.waiting.pop_entry())
@@ -213,6 +220,8 @@ class Scheduler:
             self.waiting.pop()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            if seq.lora is not None:
+                adapters.add(seq.lora)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         for entry in held:

@@ -4,11 +4,12 @@ and the tensors the model runs on, built from it."""
 from __future__ import annotations
 
 import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from streamer.attention.backend import AttentionMetadata
+from streamer.lora.request import LoRARequest
 from streamer.request import Sequence
 from streamer.scheduler_output import ScheduledSeq
 
@@ -30,6 +31,8 @@ class FlatStep:
     payload: list[int]
     sample_seqs: list[Sequence]  # rank 0 only: who samples from each sample row (a drafting sequence: its first)
     drafts: list[list[int]]  # rank 0 only: per sample_seqs entry, its drafts, whose rows follow its first
+    # rank 0 only: each attention row's adapter (None: the base model) and token count, in flat order
+    row_loras: list[tuple[LoRARequest | None, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -88,6 +91,7 @@ def flatten_step(scheduled: list[ScheduledSeq], block_copies: list[tuple[int, in
     sample_rows: list[int] = []
     sample_seqs: list[Sequence] = []
     drafts: list[list[int]] = []
+    row_loras: list[tuple[LoRARequest | None, int]] = []
     num_decodes = 0
     for item in batch:
         blocks = item.block_ids
@@ -99,6 +103,7 @@ def flatten_step(scheduled: list[ScheduledSeq], block_copies: list[tuple[int, in
             starts.append(starts[-1] + len(ids))
             seq_lens.append(end)
             tables.append(blocks)
+            row_loras.append((item.seq.lora, len(ids)))
             num_decodes += len(ids) == 1 and _is_decode(item)
             if item.spec_token_ids:
                 sample_rows.append(starts[-1] - 1)
@@ -128,7 +133,7 @@ def flatten_step(scheduled: list[ScheduledSeq], block_copies: list[tuple[int, in
     header = [starts[-1], len(seq_lens), width, len(sample_rows), len(copies),
               num_decodes, max(query_lens, default=0), max(seq_lens, default=0),
               max(seq_lens[:num_decodes], default=0)]
-    return FlatStep(header, payload, sample_seqs, drafts)
+    return FlatStep(header, payload, sample_seqs, drafts, row_loras)
 
 
 def payload_tensor(payload: list[int]) -> torch.Tensor:

@@ -74,7 +74,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = CPU_MLP_ROWS.get(x.dtype)
-        if x.device.type != "cpu" or rows is None or len(x) <= rows:
+        # LoRA hooks (streamer/lora) know the step's rows, not a slice of them: once this model
+        # serves adapters, its MLP runs whole.
+        lora = getattr(self.gate_up_proj, "_forward_hooks", None)
+        if x.device.type != "cpu" or rows is None or len(x) <= rows or lora:
             return self._mlp(x)
         out = torch.empty_like(x)
         for start in range(0, len(x), rows):
