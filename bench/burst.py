@@ -1,6 +1,6 @@
 """Burst: many WebSocket streams sending their `generate` at the same moment through one gateway.
 
-    python bench/burst.py [--streams 5000] [--clients 4] [--max-tokens 4] [--redis-max-connections 64]
+    python -m bench.burst [--streams 5000] [--clients 4] [--max-tokens 4] [--redis-max-connections 64]
 
 Everything is real and runs on this machine: a private redis-server, one `streamer worker` on a tiny
 random checkpoint (or --model), one `streamer gateway`, and --clients processes holding --streams
@@ -21,32 +21,24 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import os
 import queue
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)  # bench/kernels.py must not shadow the `kernels` package
+import redis
 
-import redis  # noqa: E402
-
-from clients.heartbeats import live_workers  # noqa: E402
-from clients.protocol import Names  # noqa: E402
-from workers.progress_display import task  # noqa: E402
-from workers.redis_server import RedisServer, free_port  # noqa: E402
-
-
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
-
+from bench.harness.machine import ROOT, cpu_seconds
+from bench.harness.servers import child_env, http_ok, wait_for
+from bench.harness.stats import percentile
+from clients.heartbeats import live_workers
+from clients.protocol import Names
+from workers.progress_display import task
+from workers.redis_server import RedisServer, free_port
 
 # --- clients (one process per slice of the streams) ------------------------------------------------
 
@@ -117,38 +109,6 @@ def client_process(url: str, ids: list[str], params: dict[str, Any], ready: Any,
 
 # --- servers -----------------------------------------------------------------------------------------
 
-def _env(root: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMER_")}
-    # A PYTHONPATH given to the benchmark still applies (e.g. a folder with hiredis, to compare parsers).
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
-    return env
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time a process has used so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def wait_for(ready: Any, what: str, procs: list[subprocess.Popen], timeout: float = 300) -> None:
-    end = time.monotonic() + timeout
-    while not ready():
-        for p in procs:
-            if p.poll() is not None:
-                raise SystemExit(f"{what}: a server exited with status {p.returncode}")
-        if time.monotonic() > end:
-            raise SystemExit(f"gave up waiting for {what}")
-        time.sleep(0.2)
-
-
-def http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, default=5000)
@@ -178,7 +138,7 @@ def main() -> None:
             worker = [sys.executable, "-m", "workers.cli", "worker", "--model", model, "--redis", redis_server.url,
                       "--device", args.device, "--num-kv-blocks", str(args.num_kv_blocks),
                       "--max-num-seqs", str(args.max_num_seqs), "--log-level", "WARNING"]
-            procs.append(subprocess.Popen(worker, cwd=ROOT, env=_env(ROOT)))
+            procs.append(subprocess.Popen(worker, cwd=ROOT, env=child_env()))
             client = redis.Redis.from_url(redis_server.url)
             with task("starting the worker"):
                 wait_for(lambda: bool(live_workers(client, Names())), "the worker", procs)
@@ -186,7 +146,7 @@ def main() -> None:
                        redis_server.url, "--max-connections", str(args.streams + 100), "--log-level", "WARNING"]
             if args.redis_max_connections is not None:
                 gateway += ["--redis-max-connections", str(args.redis_max_connections)]
-            procs.append(subprocess.Popen(gateway, cwd=args.gateway_root, env=_env(args.gateway_root)))
+            procs.append(subprocess.Popen(gateway, cwd=args.gateway_root, env=child_env(args.gateway_root)))
             wait_for(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), "the gateway", procs)
 
             ctx = mp.get_context("spawn")

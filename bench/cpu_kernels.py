@@ -1,6 +1,6 @@
 """The compiled CPU kernels (kernels/csrc/) against their torch references, side by side.
 
-    python bench/cpu_kernels.py [--dtype float32,bfloat16] [--iters 20]
+    python -m bench.cpu_kernels [--dtype float32,bfloat16] [--iters 20]
 
 Shapes of the speed anchors' model (12 query / 4 KV heads, head size 64, hidden 768, MLP 2048,
 16-token blocks). Decode attention reads sequences whose blocks are scattered over a cache larger
@@ -13,30 +13,26 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # not bench/: bench/kernels.py shadows kernels
-from streamer_kernels.activation import silu_and_mul_ref  # noqa: E402
-from streamer_kernels.cache_ops import reshape_and_cache_ref  # noqa: E402
-from streamer_kernels.cpu_attention import (  # noqa: E402
+from streamer_kernels.activation import silu_and_mul_ref
+from streamer_kernels.cache_ops import reshape_and_cache_ref
+from streamer_kernels.cpu_attention import (
     paged_decode_attention_cpu,
     paged_prefill_attention_cpu,
     prefill_products,
 )
-from streamer_kernels.elementwise_cpu import (  # noqa: E402
+from streamer_kernels.elementwise_cpu import (
     reshape_and_cache_cpu,
     rms_norm_cpu,
     rotary_embedding_cpu,
     silu_and_mul_cpu,
 )
-from streamer_kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref  # noqa: E402
-from streamer_kernels.rms_norm import rms_norm_ref  # noqa: E402
-from streamer_kernels.rotary import rotary_embedding_ref  # noqa: E402
+from streamer_kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref
+from streamer_kernels.rms_norm import rms_norm_ref
+from streamer_kernels.rotary import rotary_embedding_ref
 
 HEADS, KV_HEADS, HEAD, HIDDEN, MLP, BLOCK = 12, 4, 64, 768, 2048, 16
 

@@ -1,7 +1,7 @@
 """Gateway fan-out: how many concurrent WebSocket streams and token events/s one gateway relays, and
 the latency it adds per event.
 
-    python bench/fanout.py [--streams 100,400,1000] [--tokens 100] [--interval-ms 20] [--clients 2]
+    python -m bench.fanout [--streams 100,400,1000] [--tokens 100] [--interval-ms 20] [--clients 2]
 
 The engine is replaced by a fast fake producer (this benchmark only) that writes real events with the
 worker's own EventWriter (XADD to `events:{id}` + PUBLISH to `tokens:{id}`, one pipeline per "step"
@@ -31,24 +31,18 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)  # bench/kernels.py must not shadow the `kernels` package
-
-from clients.events import done_event, token_event  # noqa: E402
-from clients.protocol import Names  # noqa: E402
-from workers.progress_display import task  # noqa: E402
-from workers.redis_server import RedisServer, free_port  # noqa: E402
-from workers.worker.event_writer import EventWriter, Write  # noqa: E402
+from bench.harness.machine import ROOT, cpu_seconds
+from bench.harness.servers import child_env
+from bench.harness.stats import percentile
+from clients.events import done_event, token_event
+from clients.protocol import Names
+from workers.progress_display import task
+from workers.redis_server import RedisServer, free_port
+from workers.worker.event_writer import EventWriter, Write
 
 NAMES = Names()
-
-
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 # --- clients (one process per slice of the streams) ------------------------------------------------
@@ -164,14 +158,6 @@ def producer_process(redis_url: str, ids: list[str], tokens: int, interval: floa
 
 # --- one measurement -------------------------------------------------------------------------------
 
-def cpu_seconds(pid: int | None) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    if pid is None:
-        return float("nan")
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def run_round(mode: str, target: str, redis_url: str, streams: int, tokens: int, interval: float,
               clients: int, producers: int, tag: str, gateway_pid: int | None) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
@@ -220,7 +206,7 @@ def run_round(mode: str, target: str, redis_url: str, streams: int, tokens: int,
 
 def start_gateway(redis_url: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = child_env(keep_streamer_vars=True)
     proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "gateway", "--port", str(port), "--redis",
                              redis_url, "--log-level", "WARNING", "--cancel-grace", "60"],
                             cwd=ROOT, env=env)

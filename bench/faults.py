@@ -2,7 +2,7 @@
 Redis restarts or a worker is SIGKILLed, each stream resumed or retried with the same id as the
 documented client does.
 
-    python bench/faults.py [--streams 600] [--fault gateway-kill|redis-restart|worker-kill] [--fault-at 10]
+    python -m bench.faults [--streams 600] [--fault gateway-kill|redis-restart|worker-kill] [--fault-at 10]
                            [--redis-down 5] [--max-tokens 32] [--workers 1] [--claim-idle 5] [--json PATH]
     streamer bench faults ...                                   (the same, through the CLI)
 
@@ -43,26 +43,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)  # bench/kernels.py must not shadow the `kernels` package
+import httpx
 
-import httpx  # noqa: E402
-
-
-def _soak() -> Any:
-    """bench/soak.py's system and model, loaded by path: bench/ on sys.path would shadow `kernels`."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("soak", ROOT / "bench" / "soak.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["soak"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-soak = _soak()
-System, tiny_checkpoint = soak.System, soak.tiny_checkpoint
+from bench.parts.soak.clients import NAMES
+from bench.parts.soak.system import System, tiny_checkpoint
 
 
 @dataclass
@@ -212,7 +196,7 @@ def _durable_texts(system: Any, rids: list[str]) -> dict[str, str]:
     try:
         texts = {}
         for rid in rids:
-            events = [decode_event(fields) for _, fields in r.xrange(soak.NAMES.events(rid))]
+            events = [decode_event(fields) for _, fields in r.xrange(NAMES.events(rid))]
             texts[rid] = "".join(e.get("text", "") for e in events if e.get("type") in ("token", "done"))
         return texts
     finally:

@@ -1,7 +1,7 @@
 """The one-shot GPU check (issue 39): every step as a child process, its log and result under --out,
 one summary table at the end. `bench/gpu_check.sh` prepares the environment and runs this.
 
-    python bench/gpu_check.py --out DIR [--smoke]
+    python -m bench.gpu_check --out DIR [--smoke]
 
 --smoke runs the same steps on CPU with tiny shapes and the Triton interpreter; what needs CUDA is
 skipped and the table says so. Each step's script prints one last line `RESULT {json}`: the
@@ -20,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.harness.machine import ROOT
+
 RESULT_PREFIX = "RESULT "
 TOTAL_BUDGET_S = 450.0  # the whole check, under the 8 minutes it is given (start-up and carry install apart)
 
@@ -58,10 +59,10 @@ def steps(smoke: bool, cuda: bool) -> list[Step]:
                             pytest + ["tests/test_kernels_elementwise.py", "tests/test_kernels_backend.py"], 120)
     return [
         kernel_tests,
-        Step("kernel bandwidth", [py, "bench/kernels.py", *mode], 120, summarize=kernel_summary),
-        Step("greedy parity vs transformers", [py, "bench/gpu_parity.py", *mode], 150),
-        Step("engine throughput vs transformers", [py, "bench/gpu_throughput.py", *mode], 180),
-        Step("Redis worker, 64 jobs", [py, "bench/gpu_worker.py", *mode], 120),
+        Step("kernel bandwidth", [py, "-m", "bench.kernel_speed", *mode], 120, summarize=kernel_summary),
+        Step("greedy parity vs transformers", [py, "-m", "bench.gpu_parity", *mode], 150),
+        Step("engine throughput vs transformers", [py, "-m", "bench.gpu_throughput", *mode], 180),
+        Step("Redis worker, 64 jobs", [py, "-m", "bench.gpu_worker", *mode], 120),
     ]
 
 
@@ -95,7 +96,7 @@ def run_step(step: Step, out: Path, index: int, timeout_s: float) -> dict:
 
 
 def kernel_summary(text: str) -> dict:
-    """bench/kernels.py's table: the copy bandwidth, paged decode's best share of it, failures."""
+    """bench/kernel_speed.py's table: the copy bandwidth, paged decode's best share of it, failures."""
     head, _, rows = text.partition("device-to-device copy:")
     copy = rows.split(";")[0].strip()
     decode = [ln.split() for ln in rows.splitlines() if ln.startswith("paged_decode") and " triton " in ln]

@@ -36,7 +36,7 @@ if ! command -v redis-server >/dev/null && compgen -G "$CARRY/debs/*.deb" >/dev/
 fi
 
 status=0
-"$PY" bench/gpu_check.py --out "$OUT" "$@" || status=$?
+"$PY" -m bench.gpu_check --out "$OUT" "$@" || status=$?
 rm -rf "$SITE"
 echo "gpu_check: logs and results in $OUT"
 exit $status

@@ -1,6 +1,6 @@
 """Greedy parity with transformers on the device (step 3 of bench/gpu_check.py).
 
-    python bench/gpu_parity.py [--smoke]
+    python -m bench.gpu_parity [--smoke]
 
 A random Llama and a random Qwen2 (QKV bias, tied embeddings) are built on the spot; each generates
 greedily in float32 and in bfloat16, through transformers' `generate` and through streamer, on the
@@ -19,12 +19,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # not bench/: bench/kernels.py would shadow a package
+import torch
 
-import torch  # noqa: E402
-
-from streamer import LLM, SamplingParams  # noqa: E402
-from streamer.random_checkpoint import TinyModelSpec, build_checkpoint  # noqa: E402
+from streamer import LLM, SamplingParams
+from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
 
 
 def specs(smoke: bool) -> dict[str, TinyModelSpec]:

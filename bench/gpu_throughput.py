@@ -1,6 +1,6 @@
 """Offline throughput and batch-1 decode against the weight-reading bound (step 4 of bench/gpu_check.py).
 
-    python bench/gpu_throughput.py [--smoke] [--cache DIR]
+    python -m bench.gpu_throughput [--smoke] [--cache DIR]
 
 A random ~1.1B Llama (TinyLlama's shape: hidden 2048, 22 layers, 32 heads, 4 KV heads, 32k vocab) in
 bfloat16 runs the `main` workload (the anchors' 64 requests, bench/workload.py) through streamer and
@@ -19,15 +19,13 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # not bench/: bench/kernels.py would shadow a package
+import torch
 
-import torch  # noqa: E402
-
-from bench.throughput import run_hf, run_streamer  # noqa: E402
-from bench.workload import ANCHOR_VOCAB, Workload, anchor_main  # noqa: E402
-from streamer import LLMEngine, SamplingParams  # noqa: E402
-from streamer.config import EngineConfig  # noqa: E402
-from streamer.random_checkpoint import TinyModelSpec, build_checkpoint  # noqa: E402
+from bench.harness.workload import ANCHOR_VOCAB, Workload, anchor_main
+from bench.throughput import run_hf, run_streamer
+from streamer import LLMEngine, SamplingParams
+from streamer.config import EngineConfig
+from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
 
 
 def spec(smoke: bool) -> TinyModelSpec:

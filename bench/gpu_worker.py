@@ -1,6 +1,6 @@
 """The Redis worker serving 64 concurrent jobs (step 5 of bench/gpu_check.py).
 
-    python bench/gpu_worker.py [--smoke]
+    python -m bench.gpu_worker [--smoke]
 
 A private redis-server, a `streamer worker` process on the device and 64 jobs submitted at once
 through the Python client, beside the same jobs through an in-process AsyncEngine
@@ -18,10 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # not bench/: bench/kernels.py would shadow a package
-
-from bench.transport import resolve_model, run_both  # noqa: E402
-from bench.workload import make_workload  # noqa: E402
+from bench.harness.workload import make_workload
+from bench.transport import resolve_model, run_both
 
 JOBS = 64
 

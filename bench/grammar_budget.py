@@ -1,6 +1,6 @@
 """Grammar budgets: what hostile structured_outputs requests do to everyone else's streams.
 
-    python bench/grammar_budget.py [--model DIR] [--victims 3] [--n 8] [--schemas 3] [--json OUT]
+    python -m bench.grammar_budget [--model DIR] [--victims 3] [--n 8] [--schemas 3] [--json OUT]
 
 A private redis-server and one `streamer worker` (a tiny random checkpoint unless --model). Three
 victim streams (plain, greedy) run through two phases, measured from their token events as a client
@@ -34,11 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if __name__ == "__main__":
-    sys.path[0] = str(ROOT)  # bench/kernels.py must not shadow the `kernels` package
-
-from clients.redis_client import AsyncClient  # noqa: E402
+from bench.harness.machine import ROOT
+from bench.harness.servers import child_env
+from bench.harness.stats import percentile
+from clients.redis_client import AsyncClient
 
 AMBIGUOUS = 'root ::= x x x x x x x x\nx ::= y*\ny ::= [a-z] | [a-z] [a-z] | [a-z]* " "?'
 PLAIN = {"max_tokens": 3, "ignore_eos": True, "temperature": 0}
@@ -53,11 +52,6 @@ def wide_schema(properties: int = 2000, seed: int | None = None) -> dict[str, An
     schema = {"type": "object", "properties": {f"{prefix}{i}": {"type": "integer"} for i in range(properties)}}
     assert len(json.dumps(schema)) < 64 * 1024
     return schema
-
-
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 @dataclass
@@ -166,7 +160,7 @@ def _worker(model: Path, url: str, args: argparse.Namespace, log: Path) -> subpr
         cmd += ["--num-kv-blocks", str(args.num_kv_blocks)]
     with open(log, "wb") as out:
         return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                env=child_env(keep_streamer_vars=True))
 
 
 async def _main(args: argparse.Namespace, url: str) -> dict[str, Any]:

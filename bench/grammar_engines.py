@@ -4,9 +4,9 @@ For structured outputs, on this CPU: tokenizer preparation, grammar compile time
 bitmask time per token at batch 1/16/64, whether the fills release the GIL, applying the mask to
 logits, and which JSON-schema keywords each library enforces.
 
-    python bench/grammar_engines.py                 # full run (about 2-3 minutes on 2 cores)
-    python bench/grammar_engines.py --quick         # smoke run (about 20 s, 4k tokenizer)
-    python bench/grammar_engines.py --json out.json # also save every number
+    python -m bench.grammar_engines                 # full run (about 2-3 minutes on 2 cores)
+    python -m bench.grammar_engines --quick         # smoke run (about 20 s, 4k tokenizer)
+    python -m bench.grammar_engines --json out.json # also save every number
 
 Tokenizers: the 32k byte-level BPE of `streamer.random_checkpoint.build_tokenizer` (built into a
 temporary folder; few real merges, the rest added tokens) and, when it has been converted on this
@@ -58,11 +58,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/kernels.py must not shadow `kernels`
+import torch
 
-import torch  # noqa: E402
-
-from workers.progress_display import task  # noqa: E402
+from workers.progress_display import task
 
 LIBRARIES = ("xgrammar", "llguidance", "outlines-core")
 DIST_NAMES = {"xgrammar": "xgrammar", "llguidance": "llguidance", "outlines-core": "outlines_core"}

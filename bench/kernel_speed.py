@@ -1,7 +1,7 @@
 """Kernel benchmark: each Triton kernel vs its torch reference (and attention vs SDPA on gathered K/V).
 
-    python bench/kernels.py [--dtype bfloat16] [--iters 50]   # on a CUDA GPU
-    python bench/kernels.py --smoke                           # CPU: runs every path once, tiny shapes
+    python -m bench.kernel_speed [--dtype bfloat16] [--iters 50]   # on a CUDA GPU
+    python -m bench.kernel_speed --smoke                           # CPU: runs every path once, tiny shapes
 
 Times with CUDA events (median of `--iters` runs after warm-up, L2 flushed before each run),
 counts the bytes each kernel must move at least, and prints the achieved GB/s against a
@@ -18,13 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-
-# This file is named like the `kernels` package it measures: keep its folder off the import path.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
 
 
 @dataclass
@@ -233,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     from workers.progress_display import task
 
     if not args.smoke and not torch.cuda.is_available():
-        print("bench/kernels.py: no CUDA device here, nothing to time (skipped). "
+        print("bench/kernel_speed.py: no CUDA device here, nothing to time (skipped). "
               "Run it on a GPU, or with --smoke to check the script under the Triton interpreter.")
         return 0
     dev = torch.device("cpu" if args.smoke else "cuda")

@@ -1,23 +1,22 @@
 """KV sharing: prefix caching on a shared-prefix chat workload, and parallel sampling (n=4)
 with shared prompt blocks vs independent requests. Same checkpoint, same run.
 
-    python bench/kv_sharing.py [--requests 32] [--prefix 200] [--small]
+    python -m bench.kv_sharing [--requests 32] [--prefix 200] [--small]
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/kernels.py must not shadow `kernels`
-from bench.workload import bench_checkpoint, make_workload  # noqa: E402
-from streamer import LLMEngine, SamplingParams  # noqa: E402
-from streamer.config import EngineConfig  # noqa: E402
-from streamer.random_checkpoint import TinyModelSpec, build_checkpoint  # noqa: E402
-from workers.progress_display import Task, task  # noqa: E402
+from bench.harness.machine import CACHE_DIR
+from bench.harness.workload import bench_checkpoint, make_workload
+from streamer import LLMEngine, SamplingParams
+from streamer.config import EngineConfig
+from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
+from workers.progress_display import Task, task
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], label: str) -> dict:
@@ -60,7 +59,7 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--small", action="store_true", help="a tiny random model instead of the 110M one")
-    ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "streamer" / "bench")
+    ap.add_argument("--cache-dir", type=Path, default=CACHE_DIR)
     args = ap.parse_args()
     if args.small:
         ckpt = args.cache_dir / "tiny"

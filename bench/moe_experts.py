@@ -2,7 +2,7 @@
 projection, `streamer_kernels.grouped_gemm.grouped_mm`) against the reference, a loop over
 experts (`grouped_mm_ref`), on the same sorted rows.
 
-    python bench/moe_experts.py [--tokens 1 16 256 1024] [--experts 8] [--top-k 2] [--hidden 1024]
+    python -m bench.moe_experts [--tokens 1 16 256 1024] [--experts 8] [--top-k 2] [--hidden 1024]
                                 [--inter 768] [--dtype float32] [--iters 20] [--threads N]
 
 Prints the median milliseconds of both projections of the layer for each token count.
@@ -12,17 +12,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-# This folder holds bench/kernels.py, named like Hugging Face's `kernels` that transformers imports.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
-
-import torch  # noqa: E402
-from streamer_kernels.grouped_gemm import grouped_mm, grouped_mm_ref  # noqa: E402
+import torch
+from streamer_kernels.grouped_gemm import grouped_mm, grouped_mm_ref
 
 
 def median_ms(fn, iters: int) -> float:  # noqa: ANN001

@@ -1,21 +1,15 @@
 """Write the mixture-of-experts benchmark model (streamer.random_checkpoint.moe_bench_spec: a random
 Qwen3-MoE, 8 experts, top 2) into DIR, for bench/vs_vllm.py --model DIR.
 
-    python bench/moe_model.py DIR [--seed 0]
+    python -m bench.moe_model DIR [--seed 0]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-# This folder holds bench/kernels.py, named like Hugging Face's `kernels` that transformers imports.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
-
-from streamer.random_checkpoint import build_checkpoint, moe_bench_spec  # noqa: E402
+from streamer.random_checkpoint import build_checkpoint, moe_bench_spec
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Load through the gateway: N concurrent streaming chat completions over the OpenAI API (the official
 `openai` async client, SSE) and the same N over `/ws`, in the same run, alternating.
 
-    python bench/openai_load.py [--concurrency 64] [--max-tokens 64] [--repeats 3] [--model DIR]
+    python -m bench.openai_load [--concurrency 64] [--max-tokens 64] [--repeats 3] [--model DIR]
 
 Everything is real and on this machine: a private redis-server, one `streamer worker` (a tiny random
 Llama unless --model), one `streamer gateway`, and the clients in this process. Each round sends
@@ -26,16 +26,15 @@ import time
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)  # bench/kernels.py must not shadow the `kernels` package
+import redis
 
-import redis  # noqa: E402
-
-from bench.burst import _env, cpu_seconds, http_ok, percentile, wait_for  # noqa: E402
-from clients.heartbeats import live_workers  # noqa: E402
-from clients.protocol import Names  # noqa: E402
-from workers.progress_display import task  # noqa: E402
-from workers.redis_server import RedisServer, free_port  # noqa: E402
+from bench.harness.machine import ROOT, cpu_seconds
+from bench.harness.servers import child_env, http_ok, wait_for
+from bench.harness.stats import percentile
+from clients.heartbeats import live_workers
+from clients.protocol import Names
+from workers.progress_display import task
+from workers.redis_server import RedisServer, free_port
 
 PATHS = ("openai", "sse", "ws")  # the SDK, plain SSE over httpx, /ws
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
@@ -156,13 +155,13 @@ def run_round(path: str, args: argparse.Namespace, port: int, model: str, gatewa
 def start_servers(args: argparse.Namespace, redis_url: str, model: str, port: int) -> list[subprocess.Popen]:
     worker = [sys.executable, "-m", "workers.cli", "worker", "--model", model, "--redis", redis_url,
               "--device", args.device, "--max-num-seqs", str(max(args.concurrency, 8)), "--log-level", "WARNING"]
-    procs = [subprocess.Popen(worker, cwd=ROOT, env=_env(ROOT))]
+    procs = [subprocess.Popen(worker, cwd=ROOT, env=child_env())]
     client = redis.Redis.from_url(redis_url)
     with task("starting the worker"):  # (not the gateway: its banner would cut into the bar)
         wait_for(lambda: bool(live_workers(client, Names())), "the worker", procs)
     gateway = [sys.executable, "-m", "workers.cli", "gateway", "--port", str(port), "--redis", redis_url,
                "--log-level", "WARNING"]
-    procs.append(subprocess.Popen(gateway, cwd=ROOT, env=_env(ROOT)))
+    procs.append(subprocess.Popen(gateway, cwd=ROOT, env=child_env()))
     wait_for(lambda: http_ok(f"http://127.0.0.1:{port}/readyz"), "the gateway", procs)
     return procs
 

@@ -1,7 +1,7 @@
 """Redis memory per request and per token: what one served request leaves in Redis until its keys
 expire (--events-ttl), measured with MEMORY USAGE and INFO memory on a private redis-server.
 
-    python bench/redis_memory.py [--requests 100] [--tokens 16,128] [--prompt-len 32] [--model tiny|PATH]
+    python -m bench.redis_memory [--requests 100] [--tokens 16,128] [--prompt-len 32] [--model tiny|PATH]
 
 A real `streamer worker` (tiny random Llama by default) serves `--requests` requests per encoding
 (json, msgpack) and per output length in `--tokens` (greedy, ignore_eos: each engine step yields one
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import subprocess
 import sys
@@ -26,14 +25,14 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)  # run as a script: the repository root, not bench/, first on the path
+from bench.harness.machine import ROOT
+from bench.harness.servers import child_env
 
 
 def start_worker(ckpt: Path, url: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "workers.cli", "worker", "--model", str(ckpt), "--redis", url,
            "--num-kv-blocks", "2048", "--max-num-seqs", "128", "--log-level", "WARNING"]
-    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.Popen(cmd, cwd=ROOT, env=child_env(keep_streamer_vars=True))
 
 
 def memory_usage(r, key: str) -> int:  # noqa: ANN001

@@ -2,7 +2,7 @@
 worker holding each session's KV and prompt prefix (`cache_load`) against the shared lanes only
 (`shared`, where whichever worker has a free seat takes the next job).
 
-    python bench/routing.py [--sessions 96] [--turns 4] [--concurrency 12] [--workers 3]
+    python -m bench.routing [--sessions 96] [--turns 4] [--concurrency 12] [--workers 3]
                             [--prompts 8] [--system-tokens 1000] [--policies cache_load,shared]
 
 Everything runs on this machine: one private redis-server, --workers worker processes on a tiny
@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import hashlib
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -41,16 +40,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)  # bench/kernels.py must not shadow the `kernels` package
+import redis
 
-import redis  # noqa: E402
-
-from clients.heartbeats import live_workers  # noqa: E402
-from clients.protocol import Names, encode_job  # noqa: E402
-from clients.redis_client import AsyncClient  # noqa: E402
-from workers.progress_display import task  # noqa: E402
-from workers.redis_server import RedisServer  # noqa: E402
+from bench.harness.machine import ROOT
+from bench.harness.servers import child_env, stop_all
+from bench.harness.stats import percentile
+from clients.heartbeats import live_workers
+from clients.protocol import Names, encode_job
+from clients.redis_client import AsyncClient
+from workers.progress_display import task
+from workers.redis_server import RedisServer
 
 NAMES = Names()
 # Words the tiny checkpoint's BPE tokenizer mostly has as single tokens, mixed with a few it splits:
@@ -181,8 +180,7 @@ async def drive(url: str, policy: str, workload: Workload, concurrency: int) -> 
 # --- workers -----------------------------------------------------------------------------------------
 
 def worker_env(threads: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMER_")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = child_env()
     # N workers on a few cores: one thread each, or their matmul threads fight over the cores.
     env["OMP_NUM_THREADS"] = str(threads)
     return env
@@ -228,17 +226,6 @@ async def warm_up(url: str, workers: int) -> None:
                 pass
 
 
-def stop_workers(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 def run_policy(args: argparse.Namespace, policy: str, model: str, server: RedisServer, workload: Workload,
                logs: Path) -> Run:
     """Fresh workers (empty caches) on a flushed Redis, the workload, then the workers stopped."""
@@ -251,16 +238,11 @@ def run_policy(args: argparse.Namespace, policy: str, model: str, server: RedisS
             asyncio.run(warm_up(server.url, args.workers))
         return asyncio.run(drive(server.url, policy, workload, args.concurrency))
     finally:
-        stop_workers(procs)
+        stop_all(procs)
         r.close()
 
 
 # --- results -----------------------------------------------------------------------------------------
-
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(v for v in values if v == v)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
-
 
 def summary(run: Run) -> dict[str, Any]:
     prompt = sum(t.prompt_tokens for t in run.turns)

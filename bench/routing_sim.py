@@ -1,7 +1,7 @@
 """Multi-worker routing, simulated: 16-64 workers driven by the real routing code, to see what each
 policy does at a scale this machine cannot run for real (bench/routing.py runs 3 real workers).
 
-    python bench/routing_sim.py [--workers 16,32,64] [--policies cache_load,cache,least_loaded,random,shared]
+    python -m bench.routing_sim [--workers 16,32,64] [--policies cache_load,cache,least_loaded,random,shared]
                                 [--load 0.7] [--sessions-per-worker 36] [--zipf 0] [--heartbeat-s 0.25]
 
 What is real and what is modelled:
@@ -52,7 +52,6 @@ import itertools
 import json
 import math
 import random
-import sys
 import tempfile
 import time
 from collections import deque
@@ -61,10 +60,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)  # bench/kernels.py must not shadow the `kernels` package
-
-from clients.routing import (  # noqa: E402
+from bench.harness.machine import CACHE_DIR
+from bench.harness.stats import percentile
+from clients.routing import (
     POLICIES,
     Segment,
     WorkerView,
@@ -73,11 +71,11 @@ from clients.routing import (  # noqa: E402
     matched_tokens,
     prefix_chain,
 )
-from streamer.block_manager import BlockManager  # noqa: E402
-from streamer.request import Sequence  # noqa: E402
-from streamer.sampling_params import SamplingParams  # noqa: E402
-from workers.progress_display import task  # noqa: E402
-from workers.worker.accounting import FLUSH_S, PrefixAdvert  # noqa: E402
+from streamer.block_manager import BlockManager
+from streamer.request import Sequence
+from streamer.sampling_params import SamplingParams
+from workers.progress_display import task
+from workers.worker.accounting import FLUSH_S, PrefixAdvert
 
 MIN_MATCH_TOKENS = 64  # choose(min_match_tokens=...)'s default
 IM_START, IM_END, NEWLINE = 3, 4, 10  # template tokens; words are ids from FIRST_WORD_ID up
@@ -121,9 +119,9 @@ def step_checkpoint(which: str, tmp: Path) -> Path:
     """`tiny`: bench/routing.py's random Llama; `110m`: bench/throughput.py's (a model whose steps
     take ~50x longer on this CPU, as a large model's do on a GPU), built once into ~/.cache."""
     if which == "110m":
-        from bench.workload import bench_checkpoint
+        from bench.harness.workload import bench_checkpoint
 
-        return bench_checkpoint(Path.home() / ".cache" / "streamer" / "bench")
+        return bench_checkpoint(CACHE_DIR)
     from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
 
     return build_checkpoint(tmp / "tiny", TinyModelSpec(arch="llama", max_position_embeddings=4096), seed=1)
@@ -600,11 +598,6 @@ class Cluster:
 
 
 # --- results -----------------------------------------------------------------------------------------
-
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
-
 
 def summarize(cluster: Cluster, args: argparse.Namespace) -> dict[str, Any]:
     start, end = cluster.workload.window

@@ -1,6 +1,6 @@
 """What sampling costs against a greedy step, batch 64, 32k vocabulary.
 
-    python bench/sampler.py --model DIR [--dtype float32|bfloat16] [--batch 64] [--steps 24]
+    python -m bench.sampler --model DIR [--dtype float32|bfloat16] [--batch 64] [--steps 24]
 
 Two measurements in one run:
 1. Engine decode steps: `--batch` requests decode together, greedy and then sampled with each
@@ -18,18 +18,16 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/kernels.py must not shadow `kernels`
-from streamer import LLMEngine, SamplingParams  # noqa: E402
-from streamer.config import EngineConfig  # noqa: E402
-from streamer.request import Sequence  # noqa: E402
-from streamer.sampler import Sampler  # noqa: E402
+from streamer import LLMEngine, SamplingParams
+from streamer.config import EngineConfig
+from streamer.request import Sequence
+from streamer.sampler import Sampler
 
 ANCHOR = SamplingParams(temperature=0.8, top_p=0.95, top_k=50)
 RULES = {

@@ -1,7 +1,7 @@
 """Served end to end: streamer (gateway + Redis + worker) against vLLM's OpenAI server, both driven
 by vLLM's own benchmark client (`vllm bench serve`), in one run on this machine.
 
-    python bench/serve_vs_vllm.py --model DIR --vllm-python VENV/bin/python
+    python -m bench.serve_vs_vllm --model DIR --vllm-python VENV/bin/python
         [--dtype float32] [--rates inf,3] [--num-prompts 96] [--input-len 256] [--output-len 128]
         [--sampled] [--json FILE]
 
@@ -27,16 +27,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)  # bench/kernels.py must not shadow the `kernels` package
+import redis
 
-import redis  # noqa: E402
-
-from bench.burst import _env, http_ok, wait_for  # noqa: E402
-from bench.routing import stop_workers  # noqa: E402
-from clients.heartbeats import live_workers  # noqa: E402
-from clients.protocol import Names  # noqa: E402
-from workers.redis_server import RedisServer, free_port  # noqa: E402
+from bench.harness.machine import ROOT
+from bench.harness.servers import child_env, http_ok, stop_all, wait_for
+from clients.heartbeats import live_workers
+from clients.protocol import Names
+from workers.redis_server import RedisServer, free_port
 
 # vLLM's client, called from Python: the CPU build's `vllm` console script fails (no distribution
 # metadata). Prints the result's summary figures as one JSON line.
@@ -96,12 +93,12 @@ def run_client(args: argparse.Namespace, base_url: str, model: str, rate: str, n
 def start_streamer(args: argparse.Namespace, redis_url: str, port: int) -> list[subprocess.Popen]:
     worker = [sys.executable, "-m", "workers.cli", "worker", "--model", args.model, "--redis", redis_url,
               "--dtype", args.dtype, "--max-num-seqs", "256", "--log-level", "WARNING"]
-    procs = [subprocess.Popen(worker, cwd=ROOT, env=_env(ROOT))]
+    procs = [subprocess.Popen(worker, cwd=ROOT, env=child_env())]
     client = redis.Redis.from_url(redis_url)
     wait_for(lambda: bool(live_workers(client, Names())), "streamer's worker", procs, timeout=900)
     gateway = [sys.executable, "-m", "workers.cli", "gateway", "--port", str(port), "--redis", redis_url,
                "--max-queued-jobs", "0", "--log-level", "WARNING"]
-    procs.append(subprocess.Popen(gateway, cwd=ROOT, env=_env(ROOT)))
+    procs.append(subprocess.Popen(gateway, cwd=ROOT, env=child_env()))
     wait_for(lambda: http_ok(f"http://127.0.0.1:{port}/readyz"), "streamer's gateway", procs)
     return procs
 
@@ -121,7 +118,7 @@ def start_vllm(args: argparse.Namespace, port: int, work: Path) -> list[subproce
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
-    stop_workers(list(reversed(procs)))  # the gateway before the worker it relays
+    stop_all(list(reversed(procs)))  # the gateway before the worker it relays
 
 
 def measure(args: argparse.Namespace, base_url: str, model: str, servers: dict[str, int]) -> dict[str, dict]:

@@ -1,6 +1,6 @@
 """Speculative decoding (prompt lookup) on outputs that repeat their prompt: code edits.
 
-    python bench/spec_decode.py [--model DIR] [--batches 1,4,8] [--repeats 2] [--k 4]
+    python -m bench.spec_decode [--model DIR] [--batches 1,4,8] [--repeats 2] [--k 4]
                                 [--sampled] [--vllm-python PY --anchors DIR]
 
 The workload: edit requests over real Python functions (this repository's own engine code),
@@ -22,18 +22,15 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)  # bench/kernels.py must not shadow the `kernels` package
-
-from bench.vs_vllm import SAMPLED, VLLM_FLAGS, wait_quiet  # noqa: E402
-from streamer import LLMEngine, SamplingParams  # noqa: E402
-from streamer.config import EngineConfig  # noqa: E402
-from workers.default_model import resolve_model  # noqa: E402
+from bench.harness.machine import ROOT, wait_quiet
+from bench.harness.vllm import SAMPLED, VLLM_FLAGS
+from streamer import LLMEngine, SamplingParams
+from streamer.config import EngineConfig
+from workers.default_model import resolve_model
 
 SOURCES = ("streamer/block_manager.py", "streamer/scheduler.py", "streamer/sampler.py")
 RENAMES = (("seq", "sequence"), ("block_id", "block"), ("table", "block_table"), ("self", "this"))

@@ -1,6 +1,6 @@
 """Cost of step records and slow-step tracing, as a share of the engine's step time, in one run.
 
-    python bench/step_traces.py [--requests 32] [--cache-dir DIR]
+    python -m bench.step_traces [--requests 32] [--cache-dir DIR]
 
 Runs a workload on the 110M random Llama and times (1) its steps, (2) what the engine spends per step
 building its StepRecord and the request stage times (the same calls, timed on their own on a batch
@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/kernels.py must not shadow `kernels`
-
-from bench.workload import bench_checkpoint, make_workload, submit_greedy  # noqa: E402
-from streamer import LLMEngine  # noqa: E402
-from streamer.config import EngineConfig  # noqa: E402
-from streamer.llm_engine import _mark_outputs  # noqa: E402
-from streamer.outputs import StepRecord  # noqa: E402
-from streamer.scheduler_output import ScheduledSeq, SchedulerOutput  # noqa: E402
-from workers.worker.steps import WINDOW, SlowSteps, TraceConfig  # noqa: E402
+from bench.harness.machine import CACHE_DIR
+from bench.harness.workload import bench_checkpoint, make_workload, submit_greedy
+from streamer import LLMEngine
+from streamer.config import EngineConfig
+from streamer.llm_engine import _mark_outputs
+from streamer.outputs import StepRecord
+from streamer.scheduler_output import ScheduledSeq, SchedulerOutput
+from workers.worker.steps import WINDOW, SlowSteps, TraceConfig
 
 
 def step_times(engine: LLMEngine) -> tuple[list[float], float]:
@@ -61,7 +59,7 @@ def monitor_cost(records: list[StepRecord], batch: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "streamer" / "bench")
+    ap.add_argument("--cache-dir", type=Path, default=CACHE_DIR)
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(model=str(bench_checkpoint(args.cache_dir)), dtype="float32"))
     work = make_workload(args.requests, 32000, mean_prompt=100, min_out=32, max_out=128, seed=0)

@@ -1,7 +1,7 @@
 """Cost of constrained decoding: grammar mask time against step time at batch 1, 16 and 64, and what
 unconstrained requests sharing the batch pay, in one run.
 
-    python bench/structured_outputs.py [--steps 24] [--repeats 3] [--cache-dir DIR]
+    python -m bench.structured_outputs [--steps 24] [--repeats 3] [--cache-dir DIR]
 
 On the 110M random Llama (32k vocab, fp32): for each batch size, the same greedy decode steps run
 (1) unconstrained, (2) every request constrained by a large nested JSON schema, (3) half and half.
@@ -16,18 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/kernels.py must not shadow `kernels`
-
-import streamer.sampler as sampler_module  # noqa: E402
-from bench.workload import bench_checkpoint  # noqa: E402
-from streamer import LLMEngine, SamplingParams  # noqa: E402
-from streamer.config import EngineConfig  # noqa: E402
-from workers.progress_display import task  # noqa: E402
+import streamer.sampler as sampler_module
+from bench.harness.machine import CACHE_DIR
+from bench.harness.workload import bench_checkpoint
+from streamer import LLMEngine, SamplingParams
+from streamer.config import EngineConfig
+from workers.progress_display import task
 
 ITEM = {"type": "object", "additionalProperties": False, "required": ["sku", "qty", "price", "tags"],
         "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
@@ -91,7 +89,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each case (the median is reported)")
-    ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "streamer" / "bench")
+    ap.add_argument("--cache-dir", type=Path, default=CACHE_DIR)
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(model=str(bench_checkpoint(args.cache_dir)), dtype="float32"))
     timer = MaskTimer(sampler_module.apply_masks)

@@ -1,6 +1,6 @@
 """Offline throughput: streamer vs transformers static batching, same checkpoint, same run.
 
-    python bench/throughput.py [--requests 64] [--dtype float32] [--hf-batch 16] [--skip-hf]
+    python -m bench.throughput [--requests 64] [--dtype float32] [--hf-batch 16] [--skip-hf]
 
 Prints output tokens/s of both and the ratio, plus peak KV utilisation against what
 pre-allocating max length per request would use.
@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-# Run as a script, Python puts bench/ first on sys.path, where bench/kernels.py would shadow the
-# `kernels` package: put the repository root there instead.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
-from bench.workload import Workload, bench_checkpoint, make_workload, submit_greedy, warm_up  # noqa: E402
-from streamer import LLMEngine  # noqa: E402
-from streamer.config import EngineConfig  # noqa: E402
-from workers.progress_display import task  # noqa: E402
+from bench.harness.machine import CACHE_DIR
+from bench.harness.workload import Workload, bench_checkpoint, make_workload, submit_greedy, warm_up
+from streamer import LLMEngine
+from streamer.config import EngineConfig
+from workers.progress_display import task
 
 
 def run_streamer(ckpt: Path, work: Workload, dtype: str, max_num_seqs: int, max_batched: int) -> dict:
@@ -82,7 +79,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "streamer" / "bench")
+    ap.add_argument("--cache-dir", type=Path, default=CACHE_DIR)
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     ckpt = bench_checkpoint(args.cache_dir)

@@ -1,6 +1,6 @@
 """Tensor-parallel scaling: output tokens/s of the same workload at TP = 1, 2, 4, ...
 
-    python bench/tp_scaling.py [--sizes 1,2,4] [--requests 32] [--model DIR] [--dtype bfloat16]
+    python -m bench.tp_scaling [--sizes 1,2,4] [--requests 32] [--model DIR] [--dtype bfloat16]
 
 Each size runs in a fresh engine (rank processes started and joined by the engine) on the
 ~110M-parameter random Llama of bench/workload.py unless --model is given. Greedy decoding with
@@ -21,13 +21,10 @@ from pathlib import Path
 
 import torch
 
-# Run as a script, Python puts bench/ first on sys.path, where bench/kernels.py would shadow the
-# `kernels` package: put the repository root there instead.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
-from bench.workload import Workload, bench_checkpoint, make_workload, submit_greedy, warm_up  # noqa: E402
-from streamer import LLMEngine  # noqa: E402
-from streamer.config import EngineConfig  # noqa: E402
-from workers.progress_display import task  # noqa: E402
+from bench.harness.workload import Workload, bench_checkpoint, make_workload, submit_greedy, warm_up
+from streamer import LLMEngine
+from streamer.config import EngineConfig
+from workers.progress_display import task
 
 
 def run(ckpt: Path, tp: int, work: Workload, args: argparse.Namespace) -> dict:

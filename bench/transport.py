@@ -1,7 +1,7 @@
 """Transport overhead: the same workload through Redis (a `streamer worker` process + the Python
 client) and through an in-process AsyncEngine, side by side.
 
-    python bench/transport.py [--model tiny|bench|PATH] [--requests 32] [--prompt-len 64] [--max-tokens 64]
+    python -m bench.transport [--model tiny|bench|PATH] [--requests 32] [--prompt-len 64] [--max-tokens 64]
                               [--encoding msgpack|json] [--repeat 3]
 
 Per request it records the time to first token (from submit to the first token in the caller's
@@ -23,12 +23,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Run as a script, Python puts bench/ first on sys.path, where bench/kernels.py would shadow the
-# `kernels` package: put the repository root there instead.
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)
-
-from bench.workload import bench_checkpoint, make_workload  # noqa: E402
+from bench.harness.machine import ROOT
+from bench.harness.servers import child_env
+from bench.harness.stats import percentile
+from bench.harness.workload import bench_checkpoint, make_workload
 
 
 @dataclass
@@ -39,11 +37,6 @@ class Trace:
     def token(self, n: int) -> None:
         now = time.perf_counter()
         self.arrivals.extend([now] * n)
-
-
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 def summarize(name: str, traces: list[Trace], wall: float) -> dict:
@@ -99,10 +92,9 @@ def start_worker(ckpt: Path, url: str, args: argparse.Namespace) -> subprocess.P
            "--max-num-seqs", str(opts["max_num_seqs"]), "--log-level", "WARNING"]
     cmd += ["--num-kv-blocks", str(args.kv_blocks)] if args.kv_blocks else []
     cmd += ["--dtype", args.dtype] if args.dtype else []
-    # ROOT first, and whatever PYTHONPATH already holds after it (bench/gpu_check.sh puts the kernels'
-    # import name and the carried packages there).
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": path})
+    # (whatever PYTHONPATH already holds stays after ROOT: bench/gpu_check.sh puts the kernels' import
+    # name and the carried packages there)
+    return subprocess.Popen(cmd, cwd=ROOT, env=child_env(keep_streamer_vars=True))
 
 
 async def run_both(ckpt: Path, work: list[list[int]], args: argparse.Namespace, url: str) -> list[dict]:

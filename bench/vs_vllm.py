@@ -1,6 +1,6 @@
 """streamer against vLLM's CPU build, side by side in one run, on the speed-anchor workloads.
 
-    python bench/vs_vllm.py --model DIR [--workloads main,chat,prefill] [--dtype float32]
+    python -m bench.vs_vllm --model DIR [--workloads main,chat,prefill] [--dtype float32]
         [--repeats 3] [--vllm-python VENV/bin/python --anchors ANCHORS_DIR] [--json FILE]
 
 `main` and `chat` are the anchor workloads (reproduced in bench/workload.py; the fingerprints
@@ -28,60 +28,15 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # not bench/: bench/kernels.py shadows kernels
-from bench.workload import ANCHOR_WORKLOADS, fingerprint  # noqa: E402
-from streamer import LLMEngine, SamplingParams  # noqa: E402
-from streamer.config import EngineConfig  # noqa: E402
-from workers.allocator import CHOICES, exec_with_allocator  # noqa: E402
-from workers.progress_display import Task, task  # noqa: E402
+from bench.harness.machine import wait_quiet
+from bench.harness.vllm import SAMPLED, VLLM_FLAGS, VLLM_SAMPLED
+from bench.harness.workload import ANCHOR_WORKLOADS, fingerprint
+from streamer import LLMEngine, SamplingParams
+from streamer.config import EngineConfig
+from workers.allocator import CHOICES, exec_with_allocator
+from workers.progress_display import Task, task
 
-# vLLM's best settings per workload on 2 cores (the anchors' README): both cores bound,
-# tcmalloc + Intel OpenMP preloaded, prefix caching with 32-token blocks for the shared prefix.
-VLLM_FLAGS = {
-    "main": ["--bind", "0-1", "--preload", "tcmalloc+iomp"],
-    "chat": ["--bind", "0-1", "--preload", "tcmalloc+iomp", "--prefix-caching", "on", "--block-size", "32"],
-    "prefill": ["--bind", "0-1", "--preload", "tcmalloc+iomp"],
-    "sampled": ["--bind", "0-1", "--preload", "tcmalloc+iomp", "--workload", "main"],
-}
-SAMPLED = {"temperature": 0.8, "top_p": 0.95, "top_k": 50}
 WORKLOADS = {**ANCHOR_WORKLOADS, "sampled": ANCHOR_WORKLOADS["main"]}
-# Runs the anchors' bench_vllm.py (its path first in argv) with its one greedy SamplingParams made
-# the sampled workload's, so vLLM is configured exactly as for the greedy workloads.
-VLLM_SAMPLED = f"""
-import sys
-path = sys.argv[1]
-source = open(path).read()
-greedy = "SamplingParams(temperature=0.0,"
-assert source.count(greedy) == 1, "bench_vllm.py changed: its greedy SamplingParams is not where expected"
-source = source.replace(greedy, "SamplingParams(temperature={SAMPLED['temperature']}, top_p={SAMPLED['top_p']}, "
-                                "top_k={SAMPLED['top_k']},")
-sys.argv = sys.argv[1:]
-exec(compile(source, path, "exec"), {{"__name__": "__main__", "__file__": path}})
-"""
-
-
-def wait_quiet(min_idle: float = 0.93, window: float = 5.0, timeout: float = 600.0) -> float:
-    """Block until the CPUs were idle for `min_idle` of a `window`; returns the idle share seen."""
-    with task("waiting for an idle CPU", summary=False):
-        return _wait_quiet(min_idle, window, timeout)
-
-
-def _wait_quiet(min_idle: float, window: float, timeout: float) -> float:
-    def times() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            v = list(map(int, f.readline().split()[1:]))
-        return v[3] + v[4], sum(v)
-
-    deadline = time.monotonic() + timeout
-    while True:
-        i0, t0 = times()
-        time.sleep(window)
-        i1, t1 = times()
-        idle = (i1 - i0) / max(1, t1 - t0)
-        if idle >= min_idle or time.monotonic() > deadline:
-            return idle
-
-
 def warm_requests() -> list[dict]:
     rng = random.Random(12345)
     return [{"prompt": [rng.randrange(4, 32000) for _ in range(rng.randint(16, 200))], "max_tokens": 16}

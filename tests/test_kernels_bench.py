@@ -1,4 +1,4 @@
-"""bench/kernels.py stays runnable: it skips cleanly without a GPU and runs every path with --smoke."""
+"""bench/kernel_speed.py stays runnable: it skips cleanly without a GPU and runs every path with --smoke."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "kernels.py"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "bench.kernel_speed", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")

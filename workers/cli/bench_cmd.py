@@ -1,4 +1,4 @@
-"""`streamer bench NAME [ARGS...]`: run bench/NAME.py from the source checkout.
+"""`streamer bench NAME [ARGS...]`: run bench/NAME.py (`python -m bench.NAME`) from the source checkout.
 
 The benchmarks are scripts, not part of the installed package; everything after NAME is passed
 to the script unchanged (`streamer bench throughput --help` shows the script's own options).
@@ -68,5 +68,6 @@ def run(args: argparse.Namespace) -> int:
     script = available.get(args.name)
     if script is None:
         raise UserError(f"no benchmark named {args.name!r}: choose one of {', '.join(available) or '(none)'}")
-    # A child process keeps the script's own argv, exit status and Ctrl-C behaviour intact.
-    return subprocess.call([sys.executable, str(script), *args.script_args], cwd=BENCH_DIR.parent)
+    # A child process keeps the script's own argv, exit status and Ctrl-C behaviour intact. Run as a
+    # module from the folder holding bench/, so that it imports bench.harness and its parts.
+    return subprocess.call([sys.executable, "-m", f"bench.{script.stem}", *args.script_args], cwd=BENCH_DIR.parent)

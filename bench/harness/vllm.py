@@ -1,0 +1,26 @@
+"""How vLLM's CPU build runs beside streamer: the same settings in every side-by-side benchmark."""
+
+from __future__ import annotations
+
+# vLLM's best settings per workload on 2 cores (the anchors' README): both cores bound,
+# tcmalloc + Intel OpenMP preloaded, prefix caching with 32-token blocks for the shared prefix.
+VLLM_FLAGS = {
+    "main": ["--bind", "0-1", "--preload", "tcmalloc+iomp"],
+    "chat": ["--bind", "0-1", "--preload", "tcmalloc+iomp", "--prefix-caching", "on", "--block-size", "32"],
+    "prefill": ["--bind", "0-1", "--preload", "tcmalloc+iomp"],
+    "sampled": ["--bind", "0-1", "--preload", "tcmalloc+iomp", "--workload", "main"],
+}
+SAMPLED = {"temperature": 0.8, "top_p": 0.95, "top_k": 50}
+# Runs the anchors' bench_vllm.py (its path first in argv) with its one greedy SamplingParams made
+# the sampled workload's, so vLLM is configured exactly as for the greedy workloads.
+VLLM_SAMPLED = f"""
+import sys
+path = sys.argv[1]
+source = open(path).read()
+greedy = "SamplingParams(temperature=0.0,"
+assert source.count(greedy) == 1, "bench_vllm.py changed: its greedy SamplingParams is not where expected"
+source = source.replace(greedy, "SamplingParams(temperature={SAMPLED['temperature']}, top_p={SAMPLED['top_p']}, "
+                                "top_k={SAMPLED['top_k']},")
+sys.argv = sys.argv[1:]
+exec(compile(source, path, "exec"), {{"__name__": "__main__", "__file__": path}})
+"""
