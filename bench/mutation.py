@@ -6,10 +6,10 @@ call...) and runs the tests that reach the changed function; a mutant that no te
 tests that exercise it (a whole-suite run per mutant would take hours on 2 cores), in a scratch copy
 of the tree under `mutants/<module>/` (git-ignored), so the repo is never touched.
 
-    python bench/mutation.py                         # all core modules (see --list), then a table
-    python bench/mutation.py stop_checker resume     # just these
-    python bench/mutation.py resume --survivors      # and print every surviving mutant as a diff
-    python bench/mutation.py resume --survivors --no-run   # the last run's survivors, no new run
+    python -m bench.mutation                         # all core modules (see --list), then a table
+    python -m bench.mutation stop_checker resume     # just these
+    python -m bench.mutation resume --survivors      # and print every surviving mutant as a diff
+    python -m bench.mutation resume --survivors --no-run   # the last run's survivors, no new run
 
 Not part of CI (slow); see docs/testing.md for expected run times and the last scores.
 """
@@ -31,9 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)  # run as a script: import bench.* from the repository root
-from bench.mutation_report import (  # noqa: E402
+from bench.harness.machine import ROOT
+from bench.mutation_report import (
     PLUGIN,
     PYTEST_ARGS,
     check,

@@ -113,7 +113,7 @@ def check(name: str, work: Path, mutant: str) -> int:
     to see what a surviving mutant gets past, or to confirm that a kill is a real test failure."""
     inner = work / "mutants"
     if not inner.is_dir():
-        sys.exit(f"no run of {name} to check: run `python bench/mutation.py {name}` first")
+        sys.exit(f"no run of {name} to check: run `python -m bench.mutation {name}` first")
     tests = json.loads((work / "tests.json").read_text())
     env = {**os.environ, "MUTANT_UNDER_TEST": mutant}
     cmd = [sys.executable, "-m", "pytest", "-x", *PYTEST_ARGS, *tests]
