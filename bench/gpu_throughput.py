@@ -3,7 +3,7 @@
     python -m bench.gpu_throughput [--smoke] [--cache DIR]
 
 A random ~1.1B Llama (TinyLlama's shape: hidden 2048, 22 layers, 32 heads, 4 KV heads, 32k vocab) in
-bfloat16 runs the `main` workload (the anchors' 64 requests, bench/workload.py) through streamer and
+bfloat16 runs the `main` workload (the anchors' 64 requests, bench/harness/workload.py) through streamer and
 through transformers' `generate` (static batches of 16) in the same run. Then one request decodes
 alone: its time per token after the first is set against the time to read every weight once at the
 measured device-to-device copy bandwidth (weights' bytes / copy bandwidth), the bound of a

@@ -3,7 +3,7 @@
     python -m bench.tp_scaling [--sizes 1,2,4] [--requests 32] [--model DIR] [--dtype bfloat16]
 
 Each size runs in a fresh engine (rank processes started and joined by the engine) on the
-~110M-parameter random Llama of bench/workload.py unless --model is given. Greedy decoding with
+~110M-parameter random Llama of bench/harness/workload.py unless --model is given. Greedy decoding with
 ignore_eos, so every size produces the same number of tokens; the table also says how many
 requests produced exactly TP = 1's tokens (float32: all of them; bfloat16 sums in another order
 across ranks, so an occasional near-tie may flip). Default sizes: powers of two up to the

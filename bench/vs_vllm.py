@@ -3,7 +3,7 @@
     python -m bench.vs_vllm --model DIR [--workloads main,chat,prefill] [--dtype float32]
         [--repeats 3] [--vllm-python VENV/bin/python --anchors ANCHORS_DIR] [--json FILE]
 
-`main` and `chat` are the anchor workloads (reproduced in bench/workload.py; the fingerprints
+`main` and `chat` are the anchor workloads (reproduced in bench/harness/workload.py; the fingerprints
 printed by both sides must match), `prefill` is ours (long prompts, 8 output tokens), `sampled` is
 `main` sampled with temperature 0.8, top-p 0.95, top-k 50 (no per-request seed: vLLM's CPU build
 refuses them; vLLM runs the anchors' script with only its SamplingParams line changed). Both
