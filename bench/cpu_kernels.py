@@ -19,17 +19,8 @@ from collections.abc import Callable
 import torch
 from streamer_kernels.activation import silu_and_mul_ref
 from streamer_kernels.cache_ops import reshape_and_cache_ref
-from streamer_kernels.cpu_attention import (
-    paged_decode_attention_cpu,
-    paged_prefill_attention_cpu,
-    prefill_products,
-)
-from streamer_kernels.elementwise_cpu import (
-    reshape_and_cache_cpu,
-    rms_norm_cpu,
-    rotary_embedding_cpu,
-    silu_and_mul_cpu,
-)
+from streamer_kernels.cpu_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu, prefill_products
+from streamer_kernels.elementwise_cpu import reshape_and_cache_cpu, rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
 from streamer_kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref
 from streamer_kernels.rms_norm import rms_norm_ref
 from streamer_kernels.rotary import rotary_embedding_ref

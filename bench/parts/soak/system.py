@@ -17,11 +17,7 @@ from typing import Any
 
 from bench.harness.machine import ROOT, rss_bytes
 from bench.harness.servers import child_env
-from bench.parts.soak.clients import (
-    COUNTERS,
-    FINAL,
-    NAMES,
-)
+from bench.parts.soak.clients import COUNTERS, FINAL, NAMES
 
 # --- the reference: what greedy decoding must produce ------------------------------------------------
 
