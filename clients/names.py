@@ -114,6 +114,11 @@ class Names:
         several times a second (routing)."""
         return f"{self.shared}:loads"
 
+    @property
+    def loras(self) -> str:
+        """Hash of the registered LoRA adapters: name -> JSON {"path": ...} (clients/loras.py)."""
+        return f"{self.shared}:loras"
+
     def worker_prefixes(self, name: str) -> str:
         """Set of the prompt-prefix hashes a worker's cache holds (clients/routing.py), with a TTL."""
         return f"{self.worker(name)}:prefixes"

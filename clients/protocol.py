@@ -23,7 +23,7 @@ VERSION = 1
 ENCODINGS = ("json", "msgpack")
 JOB_FIELDS = frozenset(
     {"v", "id", "prompt", "prompt_token_ids", "messages", "tools", "tool_choice", "params", "priority", "deadline",
-     "tenant", "session"}
+     "tenant", "session", "lora"}
 )
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
 # Ids become part of Redis key names and log lines: keep them printable and short.
@@ -31,6 +31,8 @@ ID_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 # Tenant names become part of stream names (a tenant's queue, docs/scheduling.md).
 TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 MAX_SESSION_CHARS = 256
+# LoRA adapter names: registered with `streamer lora add` and shown as OpenAI model names (docs/lora.md).
+LORA_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class Job:
     deadline: int | None = None  # unix ms
     tenant: str = ""  # set by the gateway from the API key ("": none); its share and limits apply
     session: str = ""  # calls of one conversation or agent ("": none): affinity and attained service
+    lora: str = ""  # the registered LoRA adapter it runs under ("": the base model)
 
 
 def event_stream_id(seq: int) -> str:
@@ -288,6 +291,10 @@ def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
         if not isinstance(obj["session"], str) or not 0 < len(obj["session"]) <= MAX_SESSION_CHARS:
             raise bad(f"`session` must be a non-empty string of at most {MAX_SESSION_CHARS} characters")
         job.session = obj["session"]
+    if obj.get("lora") is not None:
+        if not isinstance(obj["lora"], str) or not LORA_NAME_RE.match(obj["lora"]):
+            raise bad("`lora` must be 1 to 64 letters, digits, '.', '_' or '-'")
+        job.lora = obj["lora"]
     return job
 
 

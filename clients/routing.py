@@ -36,7 +36,8 @@ MAX_SEGMENTS = 64  # hashes sent per routed job (longer prompts are matched on t
 POLICIES = ("cache_load", "cache", "least_loaded", "random", "shared")
 # Outcomes counted by the gateway's metrics and shown by `streamer top`.
 # balanced: sent to a worker by load alone (the `random` and `least_loaded` baselines).
-OUTCOMES = ("session", "hit", "miss", "fallback", "shared", "balanced")
+# adapter: a LoRA job sent to a worker that has its adapter loaded, with no prefix held anywhere.
+OUTCOMES = ("session", "hit", "miss", "fallback", "shared", "balanced", "adapter")
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ class WorkerView:
     name: str
     load: float  # jobs held / the most it runs at once (above 1: it queues)
     matched: int = 0  # tokens of the job's prefix its cache holds
+    has_adapter: bool = False  # the job's LoRA adapter is loaded there (always False for base-model jobs)
 
 
 @dataclass(frozen=True)
@@ -153,11 +155,16 @@ def choose(policy: str, views: list[WorkerView], session_owner: str | None = Non
         return Decision(session_owner, "session") if any(v.name == session_owner for v in roomy) \
             else Decision(None, "fallback")
     holding = [v for v in roomy if v.matched >= min_match_tokens]
-    best = max(holding, key=lambda v: (v.matched * (1 - v.load), v.matched), default=None)
+    # The adapter term: a matched prefix counts most where the job's adapter is loaded (a worker
+    # without it must read the adapter and its prefix cache holds other adapters' KV).
+    best = max(holding, key=lambda v: (v.has_adapter, v.matched * (1 - v.load), v.matched), default=None)
     if best is not None:
         return Decision(best.name, "hit")
     if any(v.matched >= min_match_tokens for v in views):
         return Decision(None, "fallback")  # the workers holding it are full: anyone may take it
+    loaded = [v for v in roomy if v.has_adapter]
+    if loaded:  # no prefix anywhere: the least loaded worker that needs no adapter load
+        return Decision(min(loaded, key=lambda v: (v.load, v.name)).name, "adapter")
     return Decision(None, "miss")
 
 
@@ -192,6 +199,7 @@ class Router:
         self.redis, self.names, self.policy = redis, names, policy
         self.min_match_tokens, self.refresh_s = min_match_tokens, refresh_s
         self._capacity: dict[str, int] = {}  # live worker -> seats (max_num_seqs)
+        self._adapters: dict[str, frozenset[str]] = {}  # live worker -> LoRA adapters loaded (its heartbeat)
         self._read_at = float("-inf")
         self._live = live_script(redis)
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
@@ -208,13 +216,14 @@ class Router:
         if len(self._capacity) < 2:  # one worker (or none): the shared lane is as good and simpler
             return lane_route(self.names, job)
         chain, session = prefix_chain(job), job.get("session") or None
-        views, owner = await self._views(chain, session)
+        views, owner = await self._views(chain, session, job.get("lora") or None)
         decision = choose(self.policy, views, owner, min_match_tokens=self.min_match_tokens)
         if decision.worker is None:
             return lane_route(self.names, job, decision.outcome)
         return Route(self.names.worker_requests(decision.worker), None, decision.outcome, decision.worker)
 
-    async def _views(self, chain: list[Segment], session: str | None) -> tuple[list[WorkerView], str | None]:
+    async def _views(self, chain: list[Segment], session: str | None, lora: str | None = None
+                     ) -> tuple[list[WorkerView], str | None]:
         # This request's own view of the seats: a concurrent request's refresh may replace the dict
         # while this one waits on Redis (a worker that just died is then gone from the new one).
         capacity = self._capacity
@@ -230,8 +239,10 @@ class Router:
             shared_jobs, owner, *rest = await pipe.execute(raise_on_error=False)
         routed, held = rest[:len(workers)], rest[len(workers):] if digests else [[] for _ in workers]
         shared = shared_jobs if isinstance(shared_jobs, list) else [None] * len(workers)
+        adapters = self._adapters
         views = [WorkerView(name, (_count(s) + _count(r)) / capacity[name],
-                            matched_tokens(chain, h) if isinstance(h, list) else 0)
+                            matched_tokens(chain, h) if isinstance(h, list) else 0,
+                            lora is not None and lora in adapters.get(name, ()))
                  for name, s, r, h in zip(workers, shared, routed, held, strict=True)]
         return views, _text(owner) if session else None
 
@@ -240,6 +251,7 @@ class Router:
             return
         stats = await live_worker_stats(self.redis, self.names, self._live)
         self._capacity = {w["name"]: max(1, int(w.get("max_num_seqs") or 1)) for w in stats}
+        self._adapters = {w["name"]: frozenset(filter(None, str(w.get("loras") or "").split(","))) for w in stats}
         self._read_at = time.monotonic()
 
 

@@ -1,4 +1,4 @@
-"""The `streamer` command: `up`, `worker`, `gateway`, `generate`, `bench`, `dead`, `top`.
+"""The `streamer` command: `up`, `worker`, `gateway`, `generate`, `bench`, `dead`, `lora`, `top`.
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`.
 Modules are imported only when their command runs (the imports inside the `_load_*` functions), so
@@ -63,6 +63,12 @@ def _load_dead() -> ModuleType:
     return dead_cmd
 
 
+def _load_lora() -> ModuleType:
+    from workers.cli import lora_cmd
+
+    return lora_cmd
+
+
 def _load_top() -> ModuleType:
     from workers.cli import top_cmd
 
@@ -84,6 +90,7 @@ COMMANDS: dict[str, Command] = {
                                         "to the terminal"),
     "bench": Command(_load_bench, "run a benchmark script from bench/ (arguments pass through)"),
     "dead": Command(_load_dead, "list, show, requeue or purge dead letters (jobs no worker could serve)"),
+    "lora": Command(_load_lora, "add, list or remove the LoRA adapters every worker serves (registered in Redis)"),
     "top": Command(_load_top, "live view of every worker (model, device, load, KV cache, tokens/s), the "
                               "request backlog, dead letters and slow steps, from Redis"),
 }
@@ -259,7 +266,7 @@ def explain(exc: BaseException, redis_url: str | None = None) -> str | None:
 
 
 # Commands that talk to a running system: without --redis they use a running `streamer up`'s Redis.
-_CLIENT_COMMANDS = ("generate", "top", "dead")
+_CLIENT_COMMANDS = ("generate", "top", "dead", "lora")
 
 
 def _use_running_up(args: argparse.Namespace, argv: list[str]) -> None:

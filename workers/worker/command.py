@@ -61,6 +61,9 @@ _HELP = {
     "enforce_eager": "never capture CUDA graphs for decode steps (the CPU never does)",
     "speculative_config": "speculative decoding, as JSON (vLLM's keys), e.g. '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4}' (docs/speculative_decoding.md)",
+    "max_loras": "LoRA adapters held on the device at once, least recently used evicted (0: serve none; "
+                 "docs/lora.md)",
+    "max_lora_rank": "the largest LoRA adapter rank served (a higher one is refused as invalid_request)",
 }
 
 

@@ -7,17 +7,19 @@ from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
 from streamer import RequestOutput, SamplingParams
+from streamer.lora import LoRARequest
 from streamer.outputs import PromptProgress, StepRecord
 from streamer.prompts import TokenizedPrompt
 
 
 class Engine(Protocol):
     def generate(self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0,
-                 resume_token_ids: list[list[int]] | None = None, session: str | None = None
-                 ) -> AsyncGenerator[RequestOutput, None]:
-        """Deltas of one request; raises ValueError / QueueFullError before the first if rejected.
-        Closing the generator early aborts the request. Calls of one `session` (a conversation,
-        an agent) queue behind sessions that have had less service so far."""
+                 resume_token_ids: list[list[int]] | None = None, session: str | None = None,
+                 lora_request: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
+        """Deltas of one request; raises ValueError / QueueFullError before the first if rejected
+        (an adapter that cannot be served included). Closing the generator early aborts the request.
+        Calls of one `session` (a conversation, an agent) queue behind sessions that have had less
+        service so far. `lora_request`: the adapter it runs under (None: the base model)."""
         ...
 
     def abort(self, request_id: str) -> None: ...

@@ -115,6 +115,8 @@ class Heartbeat:
                 "kv_blocks_total": s.get("kv_blocks_total", 0), "max_model_len": s.get("max_model_len", 0),
                 "jobs": self.state.held, "max_num_seqs": s.get("max_num_seqs", 0),
                 "generation_tokens": s.get("generation_tokens", 0),
+                # LoRA adapters in the engine's slots: routers prefer a worker that has a job's adapter.
+                "loras": ",".join(s.get("loras") or ()),
                 "writer_round_trips": self.writer.round_trips, "updated_ms": int(time.time() * 1000)}
 
     async def _heartbeat(self, key: str, ttl_ms: int) -> None:

@@ -16,10 +16,12 @@ import anyio
 
 from clients.errors import ProtocolError
 from clients.events import done_event, token_event
+from clients.loras import lookup
 from clients.protocol import Job
 from clients.resume import ResumeState
 from streamer import RequestOutput, SamplingParams
 from streamer.errors import EngineDeadError, GrammarError, QueueFullError
+from streamer.lora import LoRARequest
 from workers.worker.accounting import Accounting
 from workers.worker.answers import Answers
 from workers.worker.attempts import Attempts
@@ -172,10 +174,19 @@ class JobRunner:
         instead (rejected by the engine, or its deadline passed before it started)."""
         job = run.job
         deadline = job.deadline if resume is None else None  # a resumed job has started already
+        lora = None
+        if job.lora:
+            # Read from the registry for every job: an adapter added or removed takes effect at once.
+            entry = await lookup(self.answers.redis, self.cfg.names, job.lora)
+            if entry is None:
+                await self.answers.fail(run, "invalid_request", f"unknown LoRA adapter {job.lora!r}: register it "
+                                        "with `streamer lora add NAME PATH` (see `streamer lora list`)")
+                return None
+            lora = LoRARequest(entry.name, entry.path)
         backoff_s = 0.05
         while True:
             stream = self.engine.generate(prompt, params, job.id, priority=job.priority,
-                                          resume_token_ids=resume, session=job.session or None)
+                                          resume_token_ids=resume, session=job.session or None, lora_request=lora)
             try:
                 first = await self._first_output(stream, deadline)
             except QueueFullError:  # admission raced with other load: the job waits, still ours

@@ -23,9 +23,12 @@ from starlette.routing import Route
 
 from clients.backoff import TRANSIENT
 from clients.errors import ProtocolError
+from clients.loras import list_all as list_loras
+from clients.loras import lookup as lookup_lora
 from clients.protocol import ID_RE, MAX_SESSION_CHARS, VERSION
 from workers.gateway.admission import check_job
 from workers.gateway.openai.jobs import Gateway, JobStream
+from workers.gateway.openai.lora_models import adapter_models, split_model
 from workers.gateway.openai.request import OpenAIError, OpenAIRequest, bad, parse_chat, parse_completion
 from workers.gateway.openai.response import Assembler, StreamMeta
 from workers.gateway.openai.stream import Position, sse_events, wants_resumable
@@ -114,14 +117,26 @@ class OpenAIRoutes:
             names.setdefault(name, {"id": name, "object": "model", "created": int(self.gw.started_wall),
                                     "owned_by": "streamer", "root": w.get("model") or name,
                                     "max_model_len": int(w.get("max_model_len") or 0) or None})
-        return JSONResponse({"object": "list", "data": list(names.values())})
+        adapters = adapter_models(await list_loras(self.gw.hub.redis, self.gw.hub.names), sorted(names),
+                                  int(self.gw.started_wall))
+        return JSONResponse({"object": "list", "data": [*names.values(), *adapters]})
 
-    async def _check_model(self, model: str) -> None:
+    async def _check_model(self, model: str) -> str | None:
+        """The LoRA adapter the model name asks for (None: the base model); 404 for a name neither
+        served nor registered."""
         workers = await self.served()
         known = {w.get(k) for w in workers for k in ("served_model_name", "model")} - {None, ""}
+        _, adapter = split_model(model, known)
+        if adapter is not None:
+            if await lookup_lora(self.gw.hub.redis, self.gw.hub.names, adapter) is not None:
+                return adapter
+            if model != adapter:  # BASE:ADAPTER with a served base: the adapter is what is missing
+                raise OpenAIError(404, f"The model `{model}` does not exist: no LoRA adapter `{adapter}` is "
+                                  "registered (`streamer lora list`)", "model", "model_not_found")
         if workers and model not in known:  # no live worker: the job waits in the queue for one
             raise OpenAIError(404, f"The model `{model}` does not exist. Served: {sorted(known)}", "model",
                               "model_not_found")
+        return None
 
     # --- completions -------------------------------------------------------------------------------
 
@@ -138,12 +153,12 @@ class OpenAIRoutes:
             return await self._resume(request, rid, after)
         body = await self._json_body(request)
         req = parse(body)
-        await self._check_model(req.model)
+        lora = await self._check_model(req.model)
         await self._check_backlog()
         meta = StreamMeta(self._request_id(request), req.kind, req.model, int(time.time()), req.n, [],
                           req.include_usage, req.top_logprobs)
         tenant = self.gw.config.tenant_of(request_token(request))  # _guard checked the key
-        jobs = self._jobs(req, meta, tenant, _session(request, req))
+        jobs = self._jobs(req, meta, tenant, _session(request, req), lora)
         try:
             stream = await self._submit(meta, jobs, tenant)
         except RateLimited as e:
@@ -184,7 +199,7 @@ class OpenAIRoutes:
         return given
 
     def _jobs(self, req: OpenAIRequest, meta: StreamMeta, tenant: str = "",
-              session: str | None = None) -> list[dict[str, Any]]:
+              session: str | None = None, lora: str | None = None) -> list[dict[str, Any]]:
         many = len(req.prompts) > 1
         jobs = []
         for p, prompt in enumerate(req.prompts):
@@ -193,6 +208,8 @@ class OpenAIRoutes:
                    "params": req.params}
             if req.priority is not None:
                 job["priority"] = req.priority
+            if lora is not None:
+                job["lora"] = lora
             tag(job, tenant, session)
             try:
                 check_job(job, self.gw.limits, self.gw.prompt_limit(), self.gw.workers_max_model_len)
