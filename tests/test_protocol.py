@@ -243,8 +243,8 @@ def test_pubsub_messages_and_event_entries_decode_in_either_encoding(encoding):
     assert decode_event({encoding.encode(): raw}) == decode_message(raw)
 
 
-ALLOWED = ("['deadline', 'id', 'messages', 'params', 'priority', 'prompt', 'prompt_token_ids', 'session', 'tenant', "
-           "'tool_choice', 'tools', 'v']")
+ALLOWED = ("['deadline', 'id', 'lora', 'messages', 'params', 'priority', 'prompt', 'prompt_token_ids', 'session', "
+           "'tenant', 'tool_choice', 'tools', 'v']")
 CHAT = [{"role": "user", "content": "x"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 NAMED_F = {"type": "function", "function": {"name": "f"}}
@@ -272,6 +272,10 @@ TOOL_CHOICE_SHAPE = ('`tool_choice` must be "auto", "none", "required" or {"type
      "`priority` must be an integer from -2**31 to 2**31"),
     ({"v": 1, "id": "x", "prompt": "hi", "deadline": -1}, "invalid_request",
      "`deadline` must be a unix time in milliseconds (0 to 2**63-1)"),
+    ({"v": 1, "id": "x", "prompt": "hi", "lora": "base:adapter"}, "invalid_request",
+     "`lora` must be 1 to 64 letters, digits, '.', '_' or '-'"),
+    ({"v": 1, "id": "x", "prompt": "hi", "lora": 3}, "invalid_request",
+     "`lora` must be 1 to 64 letters, digits, '.', '_' or '-'"),
     ({"v": 1, "id": "x", "prompt": "hi", "tenant": "a b"}, "invalid_request",
      "`tenant` must be 1 to 64 letters, digits, '.', '_' or '-'"),
     ({"v": 1, "id": "x", "prompt": "hi", "tenant": 7}, "invalid_request",
