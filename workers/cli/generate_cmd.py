@@ -33,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", default="{}",
                         help='more sampling parameters as JSON, e.g. \'{"top_p":0.9}\'')
     parser.add_argument("--encoding", choices=("json", "msgpack"), default="json", help="wire encoding")
+    parser.add_argument("--lora", default=None,
+                        help="run under this registered LoRA adapter (`streamer lora add`; docs/lora.md)")
     parser.add_argument("--timeout", type=float, default=300.0, help="longest wait for the next token (s)")
     parser.add_argument("--status-interval", type=refresh_seconds, default=1.0,
                         help="seconds between refreshes of where the prompt waits (shown on a terminal until "
@@ -62,7 +64,7 @@ async def _generate(args: argparse.Namespace) -> int:
     async with AsyncClient(args.redis, encoding=args.encoding, names=names_from_args(args)) as client:
         if not args.wait:
             await _require_worker(client)
-        request_id = await client.submit(**prompt, params=sampling_params(args))
+        request_id = await client.submit(**prompt, params=sampling_params(args), lora=args.lora)
         stop = anyio.Event()
         async with anyio.create_task_group() as tg:
             tg.start_soon(_on_signal, stop, tg.cancel_scope)
