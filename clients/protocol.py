@@ -214,8 +214,14 @@ def decode_payload(encoding: str, raw: bytes, limits: Limits = Limits(), *, chec
     return obj
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
+    """An integer as JSON and msgpack carry it (not a bool, which Python counts as one). The engine
+    keeps its own copy (streamer/sampling_params.py): it imports nothing of the wire contract."""
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
@@ -246,7 +252,7 @@ def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
     unknown = sorted(str(k) for k in obj if k not in JOB_FIELDS)
     if unknown:
         raise bad(f"unknown field(s) {unknown}; allowed: {sorted(JOB_FIELDS)}")
-    if obj.get("v") != VERSION or not _is_int(obj.get("v")):
+    if obj.get("v") != VERSION or not is_int(obj.get("v")):
         raise bad(f"`v` must be {VERSION} (schema version), got {obj.get('v')!r}", "unsupported_version")
     given = [k for k in PROMPT_FIELDS if k in obj]
     if len(given) != 1:
@@ -258,7 +264,7 @@ def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
         job.prompt = obj["prompt"]
     elif "prompt_token_ids" in obj:
         ids = obj["prompt_token_ids"]
-        if not isinstance(ids, list) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
+        if not isinstance(ids, list) or not ids or not all(is_int(t) and t >= 0 for t in ids):
             raise bad("`prompt_token_ids` must be a non-empty list of non-negative integers")
         if len(ids) > limits.max_items:
             raise bad(f"`prompt_token_ids` holds {len(ids)} ids; at most {limits.max_items}")
@@ -276,11 +282,11 @@ def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
     if obj.get("tool_choice") is not None:
         job.tool_choice = parse_tool_choice(obj["tool_choice"], job.tools, params, bad)
     if "priority" in obj:
-        if not _is_int(obj["priority"]) or abs(obj["priority"]) > 2**31:
+        if not is_int(obj["priority"]) or abs(obj["priority"]) > 2**31:
             raise bad("`priority` must be an integer from -2**31 to 2**31")
         job.priority = obj["priority"]
     if "deadline" in obj and obj["deadline"] is not None:
-        if not _is_int(obj["deadline"]) or not 0 <= obj["deadline"] < 2**63:
+        if not is_int(obj["deadline"]) or not 0 <= obj["deadline"] < 2**63:
             raise bad("`deadline` must be a unix time in milliseconds (0 to 2**63-1)")
         job.deadline = obj["deadline"]
     if obj.get("tenant") is not None:

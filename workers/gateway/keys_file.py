@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clients.protocol import TENANT_RE
+from clients.protocol import TENANT_RE, is_number
 from workers.errors import UserError
 
 _TOP_FIELDS = {"tenants", "keys"}
@@ -128,7 +128,7 @@ def _tenant(name: Any, spec: Any, where: str) -> TenantLimits:
         raise UserError(f"{at} must be an object with share, max_concurrent, tokens_per_minute, min_priority")
     _no_unknown(spec, _TENANT_FIELDS, at)
     share = spec.get("share", 1)
-    if not _is_number(share) or not math.isfinite(share) or share <= 0:
+    if not is_number(share) or not math.isfinite(share) or share <= 0:
         raise UserError(f"{at}.share must be a positive number, got {share!r}")
     min_priority = spec.get("min_priority", 0)
     if not isinstance(min_priority, int) or isinstance(min_priority, bool) or not -2**31 <= min_priority <= 2**31:
@@ -143,10 +143,6 @@ def _count(spec: dict[str, Any], name: str, at: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**53:
         raise UserError(f"{at}.{name} must be a whole number, 0 or more (0: no bound), got {value!r}")
     return value
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _key(key: Any, where: str) -> str:

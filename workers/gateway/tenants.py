@@ -23,6 +23,7 @@ from workers.gateway.metrics import Metrics
 
 # What a job without `max_tokens` generates at most (the engine's default), so what it is charged.
 DEFAULT_MAX_TOKENS: int = SamplingParams.__dataclass_fields__["max_tokens"].default
+DEFAULT_BEAM_WIDTH: int = SamplingParams.__dataclass_fields__["beam_width"].default
 
 # --- tagging jobs --------------------------------------------------------------------------------
 
@@ -121,8 +122,8 @@ def _samples(params: dict[str, Any]) -> int:
     n = params.get("n", 1)
     n = n if isinstance(n, int) and n > 0 else 1
     if params.get("use_beam_search"):
-        width = params.get("beam_width", 4)
-        return max(n, width if isinstance(width, int) and width > 0 else 4)
+        width = params.get("beam_width", DEFAULT_BEAM_WIDTH)
+        return max(n, width if isinstance(width, int) and width > 0 else DEFAULT_BEAM_WIDTH)
     return n
 
 

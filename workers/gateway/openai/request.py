@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clients.chat_messages import parse_tool_choice, parse_tools
+from clients.protocol import is_int, is_number
 from workers.gateway.admission import MAX_TOKENS_LIMIT
 
 MAX_PROMPTS = 64  # prompts in one completions request (each is a job)
@@ -63,14 +64,6 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> Open
     return OpenAIError(400, message, param, code)
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _check_fields(body: Any, allowed: set[str]) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
@@ -109,7 +102,7 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
 def _sampling(body: dict[str, Any], max_tokens_name: str, default_max: int | None) -> dict[str, Any]:
     params = {k: body[k] for k in _PARAMS if body.get(k) is not None}
     max_tokens = body.get(max_tokens_name, body.get("max_tokens"))
-    if max_tokens is not None and (not _is_int(max_tokens) or not 1 <= max_tokens <= MAX_TOKENS_LIMIT):
+    if max_tokens is not None and (not is_int(max_tokens) or not 1 <= max_tokens <= MAX_TOKENS_LIMIT):
         raise bad(f"`{max_tokens_name}` must be an integer from 1 to {MAX_TOKENS_LIMIT}", max_tokens_name)
     params["max_tokens"] = default_max if max_tokens is None else max_tokens
     stop = body.get("stop")
@@ -120,21 +113,21 @@ def _sampling(body: dict[str, Any], max_tokens_name: str, default_max: int | Non
             raise bad("`stop` must be a non-empty string or a list of them", "stop")
         params["stop"] = stop
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty"):
-        if name in params and not _is_number(params[name]):
+        if name in params and not is_number(params[name]):
             raise bad(f"`{name}` must be a number", name)
     if "temperature" in params and not 0 <= params["temperature"] <= 2:
         raise bad("`temperature` must be between 0 and 2", "temperature")
     if "top_p" in params and not 0 < params["top_p"] <= 1:
         raise bad("`top_p` must be greater than 0 and at most 1", "top_p")
     n = params.get("n", 1)
-    if not _is_int(n) or not 1 <= n <= MAX_N:
+    if not is_int(n) or not 1 <= n <= MAX_N:
         raise bad(f"`n` must be an integer from 1 to {MAX_N}", "n")
     return params
 
 
 def _priority(body: dict[str, Any]) -> int | None:
     priority = body.get("priority")
-    if priority is not None and (not _is_int(priority) or abs(priority) > 2**31):
+    if priority is not None and (not is_int(priority) or abs(priority) > 2**31):
         raise bad("`priority` must be an integer from -2**31 to 2**31 (lower runs first)", "priority")
     return priority
 
@@ -156,7 +149,7 @@ def parse_completion(raw: Any) -> OpenAIRequest:
     _unsupported(body, "best_of", lambda v: v == params.get("n", 1))
     logprobs = body.get("logprobs")
     if logprobs is not None:
-        if not _is_int(logprobs) or not 0 <= logprobs <= 20:
+        if not is_int(logprobs) or not 0 <= logprobs <= 20:
             raise bad("`logprobs` must be an integer from 0 to 20", "logprobs")
         params["logprobs"] = logprobs
     return OpenAIRequest("completion", body["model"], stream, include_usage, params.get("n", 1), logprobs,
@@ -164,7 +157,7 @@ def parse_completion(raw: Any) -> OpenAIRequest:
 
 
 def _prompts(prompt: Any) -> list[dict[str, Any]]:
-    if isinstance(prompt, str) or isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    if isinstance(prompt, str) or isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise bad("`prompt` must be a string, a list of strings, a list of token ids or a list of such lists",
@@ -175,7 +168,7 @@ def _prompts(prompt: Any) -> list[dict[str, Any]]:
     for p in prompt:
         if isinstance(p, str) and p:
             out.append({"prompt": p})
-        elif isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p):
+        elif isinstance(p, list) and p and all(is_int(t) and t >= 0 for t in p):
             out.append({"prompt_token_ids": p})
         else:
             raise bad("each prompt must be a non-empty string or a non-empty list of token ids", "prompt")
@@ -235,7 +228,7 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
     if wanted is not None and not isinstance(wanted, bool):
         raise bad("`logprobs` must be a boolean", "logprobs")
     if top is not None:
-        if not _is_int(top) or not 0 <= top <= 20:
+        if not is_int(top) or not 0 <= top <= 20:
             raise bad("`top_logprobs` must be an integer from 0 to 20", "top_logprobs")
         if not wanted:
             raise bad("`top_logprobs` needs `logprobs` set to true", "top_logprobs")
