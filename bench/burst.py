@@ -33,7 +33,7 @@ from typing import Any
 import redis
 
 from bench.harness.machine import ROOT, cpu_seconds
-from bench.harness.servers import child_env, http_ok, wait_for
+from bench.harness.servers import child_env, http_ok, stop_all, wait_for
 from bench.harness.stats import percentile
 from clients.heartbeats import live_workers
 from clients.protocol import Names
@@ -188,13 +188,7 @@ def main() -> None:
             for p in children:
                 p.join(30)
         finally:
-            for p in reversed(procs):
-                p.terminate()
-            for p in procs:
-                try:
-                    p.wait(20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stop_all(list(reversed(procs)), timeout=20)
 
     errors: dict[str, int] = {}
     for res in results:

@@ -29,7 +29,7 @@ from pathlib import Path
 import redis
 
 from bench.harness.machine import ROOT, cpu_seconds
-from bench.harness.servers import child_env, http_ok, wait_for
+from bench.harness.servers import child_env, http_ok, stop_all, wait_for
 from bench.harness.stats import percentile
 from clients.heartbeats import live_workers
 from clients.protocol import Names
@@ -198,10 +198,7 @@ def main() -> None:
                         bar.advance()
                 bar.update(description="rounds")
         finally:
-            for p in reversed(procs):
-                p.terminate()
-            for p in procs:
-                p.wait(20)
+            stop_all(list(reversed(procs)), timeout=20)
     report(args, results)
 
 

@@ -43,13 +43,14 @@ def http_ok(url: str) -> bool:
         return False
 
 
-def stop_all(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM all, then wait for each (SIGKILL after 30 s): they drain side by side."""
+def stop_all(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
+    """SIGTERM all (in the order given: a gateway before the worker it relays), then wait for each,
+    SIGKILL after `timeout` s: they drain side by side."""
     for p in procs:
         p.terminate()
     for p in procs:
         try:
-            p.wait(30)
+            p.wait(timeout)
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()

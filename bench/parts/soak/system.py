@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.machine import ROOT, rss_bytes
-from bench.harness.servers import child_env
+from bench.harness.servers import child_env, stop_all
 from bench.parts.soak.clients import COUNTERS, FINAL, NAMES
 
 # --- the reference: what greedy decoding must produce ------------------------------------------------
@@ -165,16 +165,7 @@ class System:
                     restart(i)
 
     def stop(self) -> None:
-        for p in [*self.gateways, *self.workers]:
-            if p is not None and p.poll() is None:
-                p.terminate()
-        for p in [*self.gateways, *self.workers]:
-            if p is not None:
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+        stop_all([p for p in [*self.gateways, *self.workers] if p is not None])
         self.redis.stop()
         self.redis.remove_data()
 
