@@ -35,8 +35,9 @@ class DraftModelProposer:
         if draft_config.hf_config.vocab_size != target.hf_config.vocab_size:
             raise ConfigError(f"the draft model's vocabulary ({draft_config.hf_config.vocab_size} tokens) is not "
                               f"the target's ({target.hf_config.vocab_size}): it must share the tokenizer")
+        # The draft model proposes for the base model (its shadows carry no adapter): no LoRA slots.
         runner_config = replace(config, model=draft, num_kv_blocks=num_kv_blocks, tensor_parallel_size=1,
-                                speculative_config=None)
+                                speculative_config=None, max_loras=0)
         self.runner = ModelRunner(runner_config, draft_config, device, Sampler(set(), config.seed))
         self.blocks = BlockManager(self.runner.num_kv_blocks, config.block_size, enable_prefix_caching=False)
         self.max_batched = config.max_num_batched_tokens
