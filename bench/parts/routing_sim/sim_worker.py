@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import argparse
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
+from bench.parts.routing_sim.step_model import StepModel
 from bench.parts.routing_sim.workload import Job
 from clients.routing import answer_chain
 from streamer.block_manager import BlockManager
 from streamer.request import Sequence
 from streamer.sampling_params import SamplingParams
 from workers.worker.accounting import PrefixAdvert
-
-if TYPE_CHECKING:  # the cluster holds its workers and each calls back into it: a type-only import
-    from bench.parts.routing_sim.cluster import Cluster
 
 # --- the simulated worker ----------------------------------------------------------------------------
 
@@ -30,11 +29,26 @@ class FastBlocks(BlockManager):
         return hashes
 
 
+
+class ClusterView(Protocol):
+    """What a worker uses of its cluster (bench/parts/routing_sim/cluster.py's Cluster): the cluster
+    holds its workers, so a worker knows it only by this face."""
+
+    args: argparse.Namespace
+    model: StepModel
+    owners: dict[str, str]
+
+    def at(self, t: float, fn: Callable[..., None], *args: Any) -> None: ...
+    def next_for(self, w: SimWorker) -> Job | None: ...
+    def has_work_for(self, w: SimWorker) -> bool: ...
+    def set_reader(self, w: SimWorker, now: float, blocked: bool) -> None: ...
+    def answered(self, job: Job, now: float) -> None: ...
+
 PARAMS = SamplingParams(max_tokens=1)  # a Sequence needs some; the simulation decides lengths itself
 
 
 class SimWorker:
-    def __init__(self, name: str, cluster: Cluster, args: argparse.Namespace) -> None:
+    def __init__(self, name: str, cluster: ClusterView, args: argparse.Namespace) -> None:
         self.name, self.cluster, self.seats = name, cluster, args.max_num_seqs
         self.budget = args.max_num_batched_tokens
         self.blocks = FastBlocks(args.num_kv_blocks, args.block_size, True)
