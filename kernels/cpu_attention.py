@@ -16,11 +16,13 @@ __all__ = ["load", "paged_decode_attention_cpu", "paged_prefill_attention_cpu", 
 
 def paged_decode_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                               window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                               window: int = 0, softcap: float = 0.0, k_scale: float = 1.0,
+                               v_scale: float = 1.0) -> torch.Tensor:
     """`window` > 0: each sequence attends to its last `window` positions only (sliding window);
-    `softcap` > 0: scores capped by softcap * tanh(score / softcap)."""
+    `softcap` > 0: scores capped by softcap * tanh(score / softcap). An fp8 e4m3 cache is read as
+    `value * k_scale` / `value * v_scale` (float32 or bfloat16 queries, head sizes a multiple of 16)."""
     return module().paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, window,
-                                           softcap)
+                                           softcap, k_scale, v_scale)
 
 
 def paged_prefill_attention_cpu(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

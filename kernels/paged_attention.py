@@ -10,12 +10,16 @@ Two per-layer options, as Gemma's and Mistral's layers need them:
   the window are not read at all.
 - `softcap` > 0: every scaled score s becomes `softcap * tanh(s / softcap)` before the softmax
   (Gemma 2).
+
+An fp8 (e4m3) cache holds `k / k_scale` and `v / v_scale` (kernels/fp8.py); it is read back as
+`fp8 * scale` rounded to the query's dtype, then attended exactly as a cache of that dtype.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from streamer_kernels.fp8 import dequantize_fp8_ref, is_fp8
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int, start: torch.Tensor | None = None
@@ -33,6 +37,11 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int, sta
     blocks = torch.gather(block_tables.long(), 1, pos // block_size)
     slots = blocks * block_size + pos % block_size
     return cache.view(-1, num_kv_heads, head_size)[slots]
+
+
+def _read(kv: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache values in the query's dtype (fp8 dequantized with its scale)."""
+    return dequantize_fp8_ref(kv, scale, dtype) if is_fp8(kv) else kv
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -61,7 +70,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 def paged_decode_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                                max_seq_len: int | None = None, window: int = 0,
-                               softcap: float = 0.0) -> torch.Tensor:
+                               softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """`query` `[B, H, D]` -> `[B, H, D]`: each sequence attends to its first `seq_lens[b]` slots
     (its last `window` of them when `window` > 0).
 
@@ -74,8 +83,8 @@ def paged_decode_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, val
     if window:
         start = (lens - window).clamp(min=0)
         max_len = min(max_len, window)
-    k = gather_kv(key_cache, block_tables, max_len, start).transpose(1, 2)  # [B, KVH, L, D]
-    v = gather_kv(value_cache, block_tables, max_len, start).transpose(1, 2)
+    k = _read(gather_kv(key_cache, block_tables, max_len, start), k_scale, query.dtype).transpose(1, 2)
+    v = _read(gather_kv(value_cache, block_tables, max_len, start), v_scale, query.dtype).transpose(1, 2)
     kept = lens if start is None else lens - start
     valid = torch.arange(max_len, device=query.device)[None, :] < kept[:, None]
     out = _attend(query.unsqueeze(2), k, v, valid[:, None, None, :], scale, softcap)
@@ -85,7 +94,7 @@ def paged_decode_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, val
 def paged_prefill_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                 block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                                 seq_lens: torch.Tensor, scale: float, window: int = 0,
-                                softcap: float = 0.0) -> torch.Tensor:
+                                softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """`query` `[T, H, D]` (new tokens of all sequences, concatenated) -> `[T, H, D]`.
 
     Sequence b owns query rows `query_start_loc[b]:query_start_loc[b+1]` (relative to
@@ -107,8 +116,10 @@ def paged_prefill_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, va
         # 4-D [1, heads, len, D]: PyTorch's fused CPU (flash) kernel takes only batched inputs and
         # silently falls back to the slow "math" path for 3-D ones (4-5x slower at 1.5k tokens).
         at = torch.tensor([first], device=query.device)
-        k = gather_kv(key_cache, block_tables[b:b + 1], seq_len - first, at).transpose(1, 2)  # [1, KVH, L, D]
-        v = gather_kv(value_cache, block_tables[b:b + 1], seq_len - first, at).transpose(1, 2)
+        k = _read(gather_kv(key_cache, block_tables[b:b + 1], seq_len - first, at), k_scale,
+                  query.dtype).transpose(1, 2)  # [1, KVH, L, D]
+        v = _read(gather_kv(value_cache, block_tables[b:b + 1], seq_len - first, at), v_scale,
+                  query.dtype).transpose(1, 2)
         q = query[q_start:q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
         mask = None  # nothing cached before and no window: plain causal attention, no mask to build
         if q_len != seq_len or window:

@@ -34,10 +34,10 @@ MAX_SPLITS = 64
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr, scale_log2,
                    q_stride_b, q_stride_h, o_stride_b, o_stride_h, o_stride_s, lse_stride_b,
                    lse_stride_h, bt_stride, c_stride_b, c_stride_s, c_stride_h,
-                   group, head_size, block_size, partition, window, softcap,
+                   group, head_size, block_size, partition, window, softcap, k_scale, v_scale,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-                   WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+                   WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -65,8 +65,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr
         pmask = pos < end
         m, denom, acc = paged_attention_step(
             q, m, denom, acc, kc_ptr, vc_ptr, bt_ptr + b * bt_stride, pos, pmask, pmask[None, :], kvh, d,
-            dmask, c_stride_b, c_stride_s, c_stride_h, block_size, scale_log2, softcap, DOT_DTYPE, PRECISION,
-            SOFTCAP)
+            dmask, c_stride_b, c_stride_s, c_stride_h, block_size, scale_log2, softcap, k_scale, v_scale, DOT_DTYPE,
+            PRECISION, SOFTCAP, KV_FP8)
 
     l_safe = tl.where(denom > 0.0, denom, 1.0)  # an empty sequence gives zeros rather than NaN
     out = acc / l_safe[:, None]
@@ -120,8 +120,10 @@ def _num_sms(device: torch.device) -> int:
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            max_seq_len: int | None = None, out: torch.Tensor | None = None,
-                           num_splits: int | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-    """Same contract as `paged_decode_attention_ref` (`window`, `softcap` included); writes into
+                           num_splits: int | None = None, window: int = 0, softcap: float = 0.0,
+                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """Same contract as `paged_decode_attention_ref` (`window`, `softcap`, an fp8 cache's
+    `k_scale` / `v_scale` included); writes into
     `out` when given.
 
     `num_splits` forces the number of partitions (tests); by default `decode_num_splits` picks it
@@ -147,11 +149,12 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     block_d = max(16, next_pow2(head_size))
     common = dict(BLOCK_G=max(16, next_pow2(group)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
                   DOT_DTYPE=dot_dtype(query.dtype), PRECISION=dot_precision(query.dtype),
-                  num_warps=attention_num_warps(query.dtype), WINDOW=window > 0, SOFTCAP=softcap > 0)
+                  num_warps=attention_num_warps(query.dtype), WINDOW=window > 0, SOFTCAP=softcap > 0,
+                  KV_FP8=key_cache.dtype == torch.float8_e4m3fn)
     scale_log2 = scale * math.log2(math.e)
     kv_strides = (block_tables.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2))
     dims = (group, head_size, block_size)
-    options = (window, float(softcap))
+    options = (window, float(softcap), float(k_scale), float(v_scale))
     if num_splits == 1:
         _decode_kernel[(batch, num_kv_heads, 1)](
             query, key_cache, value_cache, block_tables, seq_lens, out, out, scale_log2,

@@ -31,10 +31,10 @@ BLOCK_N = 32  # cache rows per inner step
 @triton.jit
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr, scale_log2,
                     q_stride_t, q_stride_h, o_stride_t, o_stride_h, bt_stride,
-                    c_stride_b, c_stride_s, c_stride_h, head_size, block_size, window, softcap,
+                    c_stride_b, c_stride_s, c_stride_h, head_size, block_size, window, softcap, k_scale, v_scale,
                     GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                    PRECISION: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+                    PRECISION: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr):
     tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     kvh = tl.program_id(2)
@@ -75,7 +75,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_pt
             allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
         m, denom, acc = paged_attention_step(
             q, m, denom, acc, kc_ptr, vc_ptr, bt_ptr + b * bt_stride, pos, pmask, allowed, kvh, d, dmask,
-            c_stride_b, c_stride_s, c_stride_h, block_size, scale_log2, softcap, DOT_DTYPE, PRECISION, SOFTCAP)
+            c_stride_b, c_stride_s, c_stride_h, block_size, scale_log2, softcap, k_scale, v_scale, DOT_DTYPE, PRECISION,
+            SOFTCAP, KV_FP8)
 
     out = acc / denom[:, None]
     tl.store(out_ptr + q_rows[:, None] * o_stride_t + heads[:, None] * o_stride_h + d[None, :],
@@ -85,8 +86,10 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_pt
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float, max_query_len: int | None = None,
-                            out: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-    """Same contract as `paged_prefill_attention_ref` (`window`, `softcap` included); writes into
+                            out: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
+                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """Same contract as `paged_prefill_attention_ref` (`window`, `softcap`, an fp8 cache's
+    `k_scale` / `v_scale` included); writes into
     `out` when given.
 
     `query_start_loc` may start at a nonzero offset (a slice of a mixed batch's): rows are taken
@@ -111,8 +114,9 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
         scale * math.log2(math.e), query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        head_size, block_size, window, float(softcap), GROUP=group, TOKENS=tokens, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        head_size, block_size, window, float(softcap), float(k_scale), float(v_scale), GROUP=group, TOKENS=tokens,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         BLOCK_D=max(16, next_pow2(head_size)), DOT_DTYPE=dot_dtype(query.dtype),
         PRECISION=dot_precision(query.dtype), num_warps=attention_num_warps(query.dtype), WINDOW=window > 0,
-        SOFTCAP=softcap > 0)
+        SOFTCAP=softcap > 0, KV_FP8=key_cache.dtype == torch.float8_e4m3fn)
     return out

@@ -29,6 +29,13 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (decode_graphs.py); the CPU never uses them
     cpu_gemm: str = "onednn"  # onednn (weights pre-packed once) | torch (F.linear): CPU linear layers
+    # Quantized weights (docs/quantization.md): None | int8 (weight-only, per channel) | fp8 (e4m3, per channel),
+    # quantized from the checkpoint's weights at load
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (e4m3 with per-layer k/v scales, half the bytes)
+    # fp8 cache: compute each layer's k/v scales from the first forward (max|k| / 200, max|v| / 100, as vLLM's
+    # calculate_kv_scales); otherwise the checkpoint's k_scale/v_scale, else 1.0
+    calculate_kv_scales: bool = False
     tp_timeout_s: float = 600.0  # a tensor-parallel collective's wait for a stuck rank; bounds weight loading too
     # structured_outputs work (docs/structured_outputs.md#budgets): CPU seconds one token mask and all of a
     # request's masks may take, wall seconds a compile may take, and how many compiles run at once
@@ -66,6 +73,8 @@ class EngineConfig:
              "attention_backend must be auto, cpu, torch or triton"),
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
             (self.cpu_gemm in ("onednn", "torch"), "cpu_gemm must be onednn or torch"),
+            (self.quantization in (None, "int8", "fp8"), "quantization must be int8 or fp8"),
+            (self.kv_cache_dtype in ("auto", "fp8", "fp8_e4m3"), "kv_cache_dtype must be auto, fp8 or fp8_e4m3"),
             (self.tp_timeout_s > 0, "tp_timeout_s must be positive"),
             (self.grammar_mask_budget_s > 0 and self.grammar_request_budget_s > 0
              and self.grammar_compile_timeout_s > 0, "the grammar budgets and compile timeout must be positive"),

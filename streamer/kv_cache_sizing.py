@@ -35,6 +35,11 @@ class GpuMemory:
     graph_reserve: int = 0  # CUDA graphs' memory pools (0: eager)
 
 
+def bytes_per_block(block_size: int, num_kv_heads: int, head_size: int, num_layers: int, element_size: int) -> int:
+    """One block's K and V in every layer: an fp8 cache (element_size 1) is half of bfloat16's."""
+    return 2 * block_size * num_kv_heads * head_size * num_layers * element_size
+
+
 def _gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
 

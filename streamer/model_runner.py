@@ -13,7 +13,8 @@ from streamer.attention import get_backend
 from streamer.attention.backend import Rows
 from streamer.config import EngineConfig
 from streamer.decode_graphs import DecodeBuffers, DecodeGraphs, graph_buckets
-from streamer.kv_cache_sizing import GIB, GpuMemory, cpu_kv_blocks, gpu_kv_blocks
+from streamer.kv_cache_dtype import cache_dtype
+from streamer.kv_cache_sizing import GIB, GpuMemory, bytes_per_block, cpu_kv_blocks, gpu_kv_blocks
 from streamer.layers.cpu_gemm import pack_model
 from streamer.lora.manager import LoRAManager
 from streamer.memory_probe import available_memory, forward_peak, profile_step
@@ -22,6 +23,7 @@ from streamer.model_loader import load_weights
 from streamer.models.registry import model_class
 from streamer.outputs import StepPhases
 from streamer.parallel_state import SINGLE, TPGroup, building_with
+from streamer.quantization import quantize_model
 from streamer.request import Sequence
 from streamer.sampler import Sampler, SamplerOutput
 from streamer.scheduler_output import ScheduledSeq
@@ -56,11 +58,18 @@ class ModelRunner:
         # before packing, which drops the dense weights whose shapes the adapters' stacks take.
         self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, device) \
             if config.max_loras and tp_group.size == 1 else None
+        if config.quantization:  # before packing: the quantized weights take the slots oneDNN's copies would
+            quantize_model(self.model, config.quantization)
+        self.cache_dtype = cache_dtype(config.kv_cache_dtype, model_config.dtype)
         if device.type == "cpu" and config.cpu_gemm == "onednn":
             pack_model(self.model, batch_hint=min(config.max_num_seqs, 64))
         # Every rank must hold the same number of blocks: the scheduler in rank 0 hands out ids.
         self.num_kv_blocks = tp_group.all_reduce_min(config.num_kv_blocks or self._blocks_that_fit(), device)
         self._allocate_kv_cache(self.num_kv_blocks)
+        if config.calculate_kv_scales and self.cache_dtype.itemsize == 1:
+            # Armed only now: the profiling forward above ran on made-up tokens.
+            for layer in self.model.layers:
+                layer.self_attn.attn.calibrate_kv_scales = True
         self.graphs = self._decode_graphs()
 
     def _decode_graphs(self) -> DecodeGraphs | None:
@@ -76,8 +85,8 @@ class ModelRunner:
 
     def _bytes_per_block(self) -> int:
         attn = self.model.layers[0].self_attn.attn
-        per_layer = 2 * self.block_size * attn.num_kv_heads * attn.head_size
-        return per_layer * len(self.model.layers) * self.model_config.dtype.itemsize
+        return bytes_per_block(self.block_size, attn.num_kv_heads, attn.head_size, len(self.model.layers),
+                               self.cache_dtype.itemsize)
 
     def _blocks_that_fit(self) -> int:
         """The cache's size from measured memory (streamer/kv_cache_sizing.py has the arithmetic)."""
@@ -117,8 +126,8 @@ class ModelRunner:
         self.key_caches, self.value_caches = [], []
         for layer in self.model.layers:
             attn = layer.self_attn.attn
-            attn.key_cache = _zeros(shape, self.model_config.dtype, self.device)
-            attn.value_cache = _zeros(shape, self.model_config.dtype, self.device)
+            attn.key_cache = _zeros(shape, self.cache_dtype, self.device)
+            attn.value_cache = _zeros(shape, self.cache_dtype, self.device)
             self.key_caches.append(attn.key_cache)
             self.value_caches.append(attn.value_cache)
 

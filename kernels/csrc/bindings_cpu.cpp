@@ -5,7 +5,7 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", py::arg("query"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("window") = 0, py::arg("softcap") = 0.0);
+        py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
   m.def("decode_prefix_groups", &decode_prefix_groups, "sequences the decode kernel attends together (CPU)");
   m.def("paged_prefill_attention", &paged_prefill_attention, "paged prefill/extend attention (CPU)",
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
@@ -18,5 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reshape_and_cache", &reshape_and_cache, "K/V rows into their cache slots (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (CPU)");
+  m.def("int8_linear", &int8_linear, "weight-only int8 linear layer (CPU, AVX-512 VNNI)", py::arg("x"),
+        py::arg("packed"), py::arg("scale"), py::arg("bias"), py::arg("out_features"));
   m.def("nucleus_threshold_rows", &nucleus_threshold_rows, "top-p's cut of each whole row, unsorted (CPU)");
 }

@@ -6,10 +6,11 @@
 #include <optional>
 
 // kernels/paged_attention.py: paged_decode_attention_ref (`window` > 0: each sequence's last
-// `window` positions only, none before them read; `softcap` > 0: capped scores)
+// `window` positions only, none before them read; `softcap` > 0: capped scores). An fp8 e4m3
+// cache (kernels/fp8.py) is read as `value * k_scale` / `value * v_scale`.
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                                     int64_t window, double softcap);
+                                     int64_t window, double softcap, double k_scale, double v_scale);
 // The groups of sequences whose decodes the kernel above attends together over their shared
 // leading blocks (decode_shared_prefix_cpu.h): (members, shared blocks) each
 std::vector<std::pair<std::vector<int64_t>, int64_t>> decode_prefix_groups(torch::Tensor block_tables,
@@ -43,3 +44,7 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
 torch::Tensor argmax_rows(torch::Tensor logits);
 // kernels/nucleus.py: nucleus_threshold_ref (float32 weights, contiguous rows)
 torch::Tensor nucleus_threshold_rows(torch::Tensor weights, torch::Tensor limit);
+// kernels/int8_gemm.py: int8_linear_ref, x rounded to int16 per row (int8_linear_kernel_arith_ref);
+// `packed` in pack_int8_weight's layout, `scale` float32 [out_features]
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, std::optional<torch::Tensor> bias,
+                          int64_t out_features);

@@ -13,9 +13,13 @@
 // in float32 (2.5-2.8 vs 4.0-4.8 ms a layer on 2 cores) and 1.2x in bfloat16 (bench/README.md).
 // In bfloat16 on CPUs with AVX-512 BF16 its scores take the K rows as bfloat16 pairs, unwidened
 // (64 x 400 positions on a 2-core Xeon: 1.09 against 1.37 ms a layer).
+//
+// An fp8 (e4m3) cache is read by the vector path as bfloat16 rows are: each row widened once, times
+// the layer's k_scale / v_scale (fp8_cpu.h). Half of bfloat16's bytes come from memory.
 #include "cpu_ops.h"
 #include "decode_shared_prefix_cpu.h"
 #include "decode_state_cpu.h"
+#include "fp8_cpu.h"
 #include "paged_decode_generic_cpu.h"
 #include "vec_cpu.h"
 #include <ATen/Parallel.h>
@@ -165,22 +169,35 @@ constexpr bool kDecodeDot = true;
 constexpr bool kDecodeDot = false;
 #endif
 
-template <typename scalar_t>
-void decode_vec(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* block_tables,
+// A cache row as float32: float32 in place, bfloat16 widened, fp8 (uint8_t bytes) widened and scaled.
+template <typename cache_t>
+inline const float* cache_row_as_float(const cache_t* src, float* buf, int64_t n, float scale) {
+  if constexpr (std::is_same_v<cache_t, uint8_t>)
+    return fp8_row_as_float(src, buf, n, scale);
+  else
+    return row_as_float(src, buf, n);
+}
+
+// cache_t: scalar_t, or uint8_t for an fp8 e4m3 cache read with k_scale / v_scale.
+template <typename scalar_t, typename cache_t>
+void decode_vec(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, const int32_t* block_tables,
                 const int32_t* seq_lens, scalar_t* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                 int64_t head_size, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
-                float softcap) {
+                float softcap, float k_scale, float v_scale) {
+  constexpr bool same = std::is_same_v<scalar_t, cache_t>;
   // A sliding window reads each sequence's last positions only: shared leading blocks, if any,
   // lie mostly before the windows, so no sequences are grouped; nor with soft-capped scores, which
-  // the grouped kernel does not cap.
-  const PrefixStates prefix =
-      window > 0 || softcap > 0.f ? PrefixStates{std::vector<int64_t>(num_seqs, 0), {}, {}, {}}
-                 : attend_shared_prefixes(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, num_heads,
-                                          num_kv_heads, head_size, block_size, max_blocks, scale);
+  // the grouped kernel does not cap, nor over an fp8 cache, which it does not read.
+  PrefixStates prefix{std::vector<int64_t>(num_seqs, 0), {}, {}, {}};
+  if constexpr (same) {
+    if (window <= 0 && softcap <= 0.f)
+      prefix = attend_shared_prefixes(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, num_heads,
+                                      num_kv_heads, head_size, block_size, max_blocks, scale);
+  }
   const int64_t group = num_heads / num_kv_heads, D = head_size, chunks = D / kW;
   const int64_t row_size = num_kv_heads * D;
   // bfloat16 scores on pairs where the CPU has AVX-512 BF16 and a head is whole 32-value vectors
-  const bool dot = std::is_same_v<scalar_t, at::BFloat16> && kDecodeDot && D % 32 == 0;
+  const bool dot = std::is_same_v<scalar_t, at::BFloat16> && same && kDecodeDot && D % 32 == 0;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     SequenceState st(num_heads, D);
@@ -211,8 +228,8 @@ void decode_vec(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
           const int64_t pos = start + j;
           const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
           krow[j] = dot ? static_cast<const void*>(k_cache + slot * row_size)
-                        : row_as_float(k_cache + slot * row_size, kbuf.data() + j * row_size, row_size);
-          vrow[j] = row_as_float(v_cache + slot * row_size, vbuf.data() + j * row_size, row_size);
+                        : cache_row_as_float(k_cache + slot * row_size, kbuf.data() + j * row_size, row_size, k_scale);
+          vrow[j] = cache_row_as_float(v_cache + slot * row_size, vbuf.data() + j * row_size, row_size, v_scale);
         }
         for (int64_t j = n; j < kW; ++j) krow[j] = vrow[j] = zeros.data();
         // The next positions' rows, prefetched a share per head while these are computed: all at
@@ -225,7 +242,7 @@ void decode_vec(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
           next_k = reinterpret_cast<const char*>(k_cache + slot * row_size);
           next_v = reinterpret_cast<const char*>(v_cache + slot * row_size);
         }
-        const int64_t next_bytes = std::min<int64_t>(kW, block_size) * row_size * sizeof(scalar_t);
+        const int64_t next_bytes = std::min<int64_t>(kW, block_size) * row_size * sizeof(cache_t);
         for (int64_t h = 0; h < num_heads; ++h) {
           if (next_k != nullptr) {
             const int64_t from = next_bytes * h / num_heads, to = next_bytes * (h + 1) / num_heads;
@@ -246,6 +263,16 @@ void decode_vec(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
   }
 }
 
+// The same-type cache with the generic kernel's signature (the dispatch picks one of the two).
+template <typename scalar_t, typename cache_t, int Unscaled>
+void decode_vec(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, const int32_t* block_tables,
+                const int32_t* seq_lens, scalar_t* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                int64_t head_size, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
+                float softcap) {
+  decode_vec<scalar_t, cache_t>(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs, num_heads, num_kv_heads,
+                                head_size, block_size, max_blocks, scale, window, softcap, 1.f, 1.f);
+}
+
 }  // namespace
 std::vector<std::pair<std::vector<int64_t>, int64_t>> decode_prefix_groups(torch::Tensor block_tables,
                                                                            torch::Tensor seq_lens, int64_t block_size) {
@@ -263,7 +290,7 @@ std::vector<std::pair<std::vector<int64_t>, int64_t>> decode_prefix_groups(torch
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                                     int64_t window, double softcap) {
+                                     int64_t window, double softcap, double k_scale, double v_scale) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [B,H,D], caches [N,BS,KVH,D]");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
               "block_tables and seq_lens must be int32");
@@ -277,10 +304,29 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   TORCH_CHECK(H % KVH == 0 && key_cache.size(3) == D, "head shapes do not match the cache");
   const bool vector_path = D % kW == 0 && D / kW <= kMaxChunks &&
                            (query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16);
+  if (key_cache.scalar_type() == at::kFloat8_e4m3fn) {
+    TORCH_CHECK(vector_path && value_cache.scalar_type() == at::kFloat8_e4m3fn,
+                "an fp8 cache is read with float32 or bfloat16 queries and head sizes a multiple of ", kW);
+    const auto* kc = static_cast<const uint8_t*>(key_cache.data_ptr());
+    const auto* vc = static_cast<const uint8_t*>(value_cache.data_ptr());
+    const auto run = [&](auto* typed) {
+      using scalar_t = std::remove_pointer_t<decltype(typed)>;
+      decode_vec<scalar_t, uint8_t>(query.data_ptr<scalar_t>(), kc, vc, block_tables.data_ptr<int32_t>(),
+                                    seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), B, H, KVH, D, BS,
+                                    block_tables.size(1), static_cast<float>(scale), window,
+                                    static_cast<float>(softcap), static_cast<float>(k_scale),
+                                    static_cast<float>(v_scale));
+    };
+    if (query.scalar_type() == at::kFloat)
+      run(static_cast<float*>(nullptr));
+    else
+      run(static_cast<at::BFloat16*>(nullptr));
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_cpu", [&] {
     auto* kernel = &paged_decode::decode<scalar_t>;
     if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, at::BFloat16>)
-      if (vector_path) kernel = &decode_vec<scalar_t>;
+      if (vector_path) kernel = &decode_vec<scalar_t, scalar_t, 1>;
     kernel(query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
                      block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), B, H,
                      KVH, D, BS, block_tables.size(1), static_cast<float>(scale), window,

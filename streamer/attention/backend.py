@@ -44,34 +44,40 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Store this step's `key`/`value` `[T, kv_heads, head_size]` at `meta.slot_mapping`."""
+                 value_cache: torch.Tensor, meta: AttentionMetadata, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> None:
+        """Store this step's `key`/`value` `[T, kv_heads, head_size]` at `meta.slot_mapping` (an fp8
+        cache gets `key / k_scale` and `value / v_scale`, kernels/cache_ops.py)."""
 
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """Attention of `query` `[T, heads, head_size]` over the cache (after `write_kv`):
         decodes and prefills fill disjoint row ranges of one output. `window` > 0: sliding-window
-        attention over that many keys; `softcap` > 0: capped scores (kernels/paged_attention.py)."""
+        attention over that many keys; `softcap` > 0: capped scores (kernels/paged_attention.py);
+        `k_scale` / `v_scale`: an fp8 cache's scales."""
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # dense: `query` may be a strided view
         nd = meta.num_decodes
         if nd:
             self.decode(query[:nd], key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                        meta.max_decode_seq_len, out[:nd], window, softcap)
+                        meta.max_decode_seq_len, out[:nd], window, softcap, k_scale, v_scale)
         if nd < meta.seq_lens.shape[0]:
             self.prefill(query[nd:], key_cache, value_cache, meta.block_tables[nd:], meta.query_start_loc[nd:],
-                         meta.seq_lens[nd:], scale, meta.max_query_len, out[nd:], window, softcap)
+                         meta.seq_lens[nd:], scale, meta.max_query_len, out[nd:], window, softcap, k_scale, v_scale)
         return out
 
     @abstractmethod
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
-               out: torch.Tensor, window: int = 0, softcap: float = 0.0) -> None:
+               out: torch.Tensor, window: int = 0, softcap: float = 0.0, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> None:
         """One query token per sequence (kernels/paged_attention.py: paged_decode_attention_ref)."""
 
     @abstractmethod
     def prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                max_query_len: int, out: torch.Tensor, window: int = 0, softcap: float = 0.0) -> None:
+                max_query_len: int, out: torch.Tensor, window: int = 0, softcap: float = 0.0, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> None:
         """New tokens over cached context (kernels/paged_attention.py: paged_prefill_attention_ref);
         `query_start_loc` may be a slice of the batch's offsets (rows relative to its first)."""
 

@@ -16,20 +16,23 @@ class TorchBackend(AttentionBackend):
     name = "torch"
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        reshape_and_cache_ref(key, value, key_cache, value_cache, meta.slot_mapping)
+                 value_cache: torch.Tensor, meta: AttentionMetadata, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> None:
+        reshape_and_cache_ref(key, value, key_cache, value_cache, meta.slot_mapping, k_scale, v_scale)
 
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
-               out: torch.Tensor, window: int = 0, softcap: float = 0.0) -> None:
+               out: torch.Tensor, window: int = 0, softcap: float = 0.0, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> None:
         out.copy_(paged_decode_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                             max_seq_len, window, softcap))
+                                             max_seq_len, window, softcap, k_scale, v_scale))
 
     def prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                max_query_len: int, out: torch.Tensor, window: int = 0, softcap: float = 0.0) -> None:
+                max_query_len: int, out: torch.Tensor, window: int = 0, softcap: float = 0.0, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> None:
         out.copy_(paged_prefill_attention_ref(query, key_cache, value_cache, block_tables, query_start_loc,
-                                              seq_lens, scale, window, softcap))
+                                              seq_lens, scale, window, softcap, k_scale, v_scale))
 
     def copy_blocks(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
                     block_mapping: torch.Tensor) -> None:

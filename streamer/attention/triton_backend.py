@@ -26,22 +26,26 @@ class TritonBackend(AttentionBackend):
                               "'cpu', or set TRITON_INTERPRET=1 to run the Triton kernels slowly for testing")
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+                 value_cache: torch.Tensor, meta: AttentionMetadata, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> None:
+        reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping, k_scale, v_scale)
 
     # Decodes and prefills write disjoint row ranges of one output; no copies, no host syncs
     # (the lengths the grids need come from the metadata's Python ints).
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
-               out: torch.Tensor, window: int = 0, softcap: float = 0.0) -> None:
+               out: torch.Tensor, window: int = 0, softcap: float = 0.0, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> None:
         paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, out=out,
-                               window=window, softcap=softcap)
+                               window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
 
     def prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                max_query_len: int, out: torch.Tensor, window: int = 0, softcap: float = 0.0) -> None:
+                max_query_len: int, out: torch.Tensor, window: int = 0, softcap: float = 0.0, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> None:
         paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
-                                max_query_len, out=out, window=window, softcap=softcap)
+                                max_query_len, out=out, window=window, softcap=softcap, k_scale=k_scale,
+                                v_scale=v_scale)
 
     def copy_blocks(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
                     block_mapping: torch.Tensor) -> None:

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from streamer.attention.backend import AttentionBackend, AttentionMetadata, Rows
+from streamer.kv_cache_dtype import calibrated_scales
 
 
 class PagedAttention(nn.Module):
@@ -22,6 +23,10 @@ class PagedAttention(nn.Module):
         # Bound by the model runner once the cache is allocated.
         self.key_cache = torch.empty(0)
         self.value_cache = torch.empty(0)
+        # An fp8 cache stores k / k_scale and v / v_scale (kernels/fp8.py); other caches ignore them.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        self.calibrate_kv_scales = False  # set by the model runner: the next forward computes the scales
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 rows: Rows | None = None) -> torch.Tensor:
@@ -29,12 +34,16 @@ class PagedAttention(nn.Module):
         t = k.shape[0]
         k = k.view(t, self.num_kv_heads, self.head_size)
         v = v.view(t, self.num_kv_heads, self.head_size)
-        self.backend.write_kv(k, v, self.key_cache, self.value_cache, meta)
+        if self.calibrate_kv_scales:  # once, before anything is written with the default scales
+            self.k_scale, self.v_scale = calibrated_scales(k, v)
+            self.calibrate_kv_scales = False
+        self.backend.write_kv(k, v, self.key_cache, self.value_cache, meta, self.k_scale, self.v_scale)
         if rows is not None:
             q, meta = q[rows.index], rows.meta
         n = q.shape[0]
         out = self.backend.forward(q.view(n, self.num_heads, self.head_size), self.key_cache,
-                                   self.value_cache, meta, self.scale, window=self.window, softcap=self.softcap)
+                                   self.value_cache, meta, self.scale, window=self.window, softcap=self.softcap,
+                                   k_scale=self.k_scale, v_scale=self.v_scale)
         return out.reshape(n, self.num_heads * self.head_size)
 
 

@@ -8,10 +8,14 @@ faster in float32 and 1.1x in bfloat16 for the batch sizes of decoding (bench/RE
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from streamer.quantization.weights import QuantizedWeight
 
 log = logging.getLogger("streamer.layers")
 
@@ -33,9 +37,13 @@ def pack(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None) -> torch.Tensor:
+           packed: torch.Tensor | QuantizedWeight | None) -> torch.Tensor:
+    """`packed`: oneDNN's copy of `weight`, or a quantized weight (streamer/quantization) that
+    replaces it, or None (the dense weight)."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if not isinstance(packed, torch.Tensor):
+        return packed.apply(x, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 

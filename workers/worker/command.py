@@ -50,6 +50,10 @@ _HELP = {
     "kv_cache_memory_gb": "CPU KV-cache size when --num-kv-blocks is not given",
     "gpu_memory_utilization": "share of GPU memory the engine may use",
     "cpu_gemm": "CPU linear layers: onednn (weights packed once) or torch (F.linear)",
+    "quantization": "quantize every linear layer at load: int8 (weight-only, per channel) or fp8 (e4m3; "
+                    "docs/quantization.md)",
+    "kv_cache_dtype": "auto (the model's dtype) or fp8 (e4m3: half the bytes, twice the blocks)",
+    "calculate_kv_scales": "fp8 KV cache: each layer's k/v scales from the first forward, as vLLM's (else 1.0)",
     "tp_timeout_s": "seconds a tensor-parallel collective waits for a stuck rank (bounds weight loading too)",
     "grammar_mask_budget_s": "structured outputs: CPU seconds one token mask may take; past it the request "
                              "fails (invalid_params)",
