@@ -31,6 +31,9 @@ it), next to two controls (a Python loop, hashlib). Mask application: each libra
 `apply_token_bitmask_inplace` on float32 CPU logits [batch, vocab], first call (includes any
 torch.compile; inductor's disk cache makes later processes faster) and steady state, next to a
 plain torch reference. Medians of a few repeats.
+
+This file is the run itself; the grammars, the three libraries behind one interface, the fill walks,
+the GIL probes, one library's run and the tables are in bench/parts/grammar_engines/.
 """
 
 from __future__ import annotations

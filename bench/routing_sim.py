@@ -41,6 +41,9 @@ the last arrival (the window): prefix-cache hit rate (cached / prompt
 tokens), TTFT p50/p99 (submit to the end of the step that computed the prompt's last token),
 completion tokens/s and jobs/s of jobs finished in the window, the routing outcomes, and how often a
 job routed to a worker for its prefix found less than 64 tokens in that worker's cache (`stale`).
+
+This file is the run itself; the step-time model, the workload, the simulated worker and the cluster
+are in bench/parts/routing_sim/.
 """
 
 from __future__ import annotations
