@@ -31,6 +31,7 @@ import redis
 
 from bench.harness.machine import ROOT
 from bench.harness.servers import child_env, http_ok, stop_all, wait_for
+from bench.harness.vllm import server_env
 from clients.heartbeats import live_workers
 from clients.protocol import Names
 from workers.redis_server import RedisServer, free_port
@@ -68,7 +69,6 @@ def tree_cpu_seconds(root: int) -> float:
             p = parent.get(p, 0)
         total += seconds if p == root else 0.0
     return total
-TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 
 def run_client(args: argparse.Namespace, base_url: str, model: str, rate: str, num_prompts: int) -> dict:
@@ -104,10 +104,7 @@ def start_streamer(args: argparse.Namespace, redis_url: str, port: int) -> list[
 
 
 def start_vllm(args: argparse.Namespace, port: int, work: Path) -> list[subprocess.Popen]:
-    venv = Path(args.vllm_python).resolve().parents[1]
-    env = {**os.environ, "LD_PRELOAD": f"{TCMALLOC}:{venv / 'lib' / 'libiomp5.so'}",
-           "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1",
-           "VLLM_CACHE_ROOT": str(work / "vllm-cache"), "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")}
+    env = server_env(args.vllm_python, work)
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
            "--tokenizer", args.model, "--port", str(port), "--dtype", args.dtype, "--max-model-len", "2048",
            "--seed", "0"]

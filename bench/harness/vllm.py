@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+from workers.allocator import find_tcmalloc
+
 # vLLM's best settings per workload on 2 cores (the anchors' README): both cores bound,
 # tcmalloc + Intel OpenMP preloaded, prefix caching with 32-token blocks for the shared prefix.
 VLLM_FLAGS = {
@@ -24,3 +29,13 @@ source = source.replace(greedy, "SamplingParams(temperature={SAMPLED['temperatur
 sys.argv = sys.argv[1:]
 exec(compile(source, path, "exec"), {{"__name__": "__main__", "__file__": path}})
 """
+
+
+def server_env(vllm_python: str, work: Path) -> dict[str, str]:
+    """The environment of vLLM's OpenAI server, tuned as for the offline runs: both cores bound,
+    tcmalloc and the venv's Intel OpenMP preloaded; its caches in `work`, offline."""
+    venv = Path(vllm_python).resolve().parents[1]
+    preload = [p for p in (find_tcmalloc(), str(venv / "lib" / "libiomp5.so")) if p]
+    return {**os.environ, "LD_PRELOAD": ":".join(preload),
+            "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1",
+            "VLLM_CACHE_ROOT": str(work / "vllm-cache"), "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")}
