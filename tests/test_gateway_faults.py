@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import functools
 import time
+import traceback
 from typing import Any
 
 import httpx
@@ -33,13 +34,16 @@ class FakeWorker:
     def __init__(self, url: str) -> None:
         self.url = url
         self.tasks: set[asyncio.Task[None]] = set()
+        # Its loops retry while Redis is away: they end on this too, not on a cancel alone (one
+        # landing inside the client's own connect timeout can come out as a timeout, and be retried).
+        self.stopped = False
 
     async def run(self) -> None:
         last = "0-0"
-        while True:
+        while not self.stopped:
             r = aioredis.Redis.from_url(self.url, socket_timeout=5)
             try:
-                while True:
+                while not self.stopped:
                     await self._beat(r)
                     for _, entries in await r.xread({NAMES.requests: last}, block=200, count=200) or []:
                         for entry_id, fields in entries:
@@ -63,7 +67,7 @@ class FakeWorker:
         try:
             for events in [tokens(rid, range(s, s + 1)) for s in range(TOKENS)] + [[done(rid, TOKENS)]]:
                 await asyncio.sleep(0.05)
-                while True:  # the explicit entry ids make a retry harmless, as for the real worker
+                while not self.stopped:  # the explicit entry ids make a retry harmless, as for the real worker
                     try:
                         await emit(r, rid, events)
                         break
@@ -115,52 +119,91 @@ async def load(gw: Gateway, stop: asyncio.Event, outcomes: list[tuple[float, boo
 
 
 @pytest.mark.anyio
+@pytest.mark.timeout(300)  # about a minute; a hang must not eat the CI's hour
 async def test_the_gateway_serves_again_within_seconds_after_redis_restarts_under_load_twice() -> None:
-    with RedisServer(appendonly=True) as own:
-        async with running_gateway(config(own.url, routing="shared")) as gw:
-            worker = asyncio.create_task(FakeWorker(own.url).run())
-            stop = asyncio.Event()
-            outcomes: list[tuple[float, bool]] = []
-            clients = [asyncio.create_task(load(gw, stop, outcomes)) for _ in range(200)]
-            back = time.monotonic()
-            try:
-                for restart in range(2):
-                    # Streams in flight, subscriptions coming and going.
-                    await asyncio.wait_for(_until(functools.partial(_served_since, outcomes, back), True), 30)
-                    own.stop()
-                    down = await asyncio.wait_for(_until(lambda: ready(gw), 503), 10)
-                    assert down == 503, "/readyz must say the gateway cannot serve while Redis is away"
-                    await asyncio.sleep(5)  # as long as the restart the gateway never recovered from
-                    await asyncio.to_thread(own.start)
-                    back = time.monotonic()
-                    # Within seconds: ready again, and a fresh request through each API served whole.
-                    await asyncio.wait_for(_until(lambda: ready(gw), 200), 15)
-                    events = await asyncio.wait_for(one_ws_request(gw, f"after-{restart}"), 15)
-                    assert [e["type"] for e in events] == ["token"] * TOKENS + ["done"], events
-                    await asyncio.wait_for(_until(functools.partial(_served_since, outcomes, back), True), 15)
-                await asyncio.sleep(4)
-                settled = time.monotonic() - 3
-            finally:
-                stop.set()
-                for task in [*clients, worker]:
-                    task.cancel()
-                # Not gather: a redis-py read cut by a cancel can outlive it for a while.
-                await asyncio.wait([*clients, worker], timeout=5)
-            late = [ok for t, ok in outcomes if t > settled]
-            assert late and all(late), f"{late.count(False)} of {len(late)} requests failed after the restarts"
+    harness = asyncio.all_tasks()  # the test runner's own: never cancelled here
+    try:
+        with RedisServer(appendonly=True) as own:
+            async with running_gateway(config(own.url, routing="shared")) as gw:
+                fake = FakeWorker(own.url)
+                worker = asyncio.create_task(fake.run())
+                stop = asyncio.Event()
+                outcomes: list[tuple[float, bool]] = []
+                clients = [asyncio.create_task(load(gw, stop, outcomes)) for _ in range(200)]
+                back = time.monotonic()
+                try:
+                    for restart in range(2):
+                        # Streams in flight, subscriptions coming and going.
+                        await _until(functools.partial(_served_since, outcomes, back), True, 30)
+                        own.stop()
+                        down = await _until(lambda: ready(gw), 503, 20)
+                        assert down == 503, "/readyz must say the gateway cannot serve while Redis is away"
+                        await asyncio.sleep(5)  # as long as the restart the gateway never recovered from
+                        await asyncio.to_thread(own.start)
+                        back = time.monotonic()
+                        # Within seconds: ready again, and a fresh request through each API served whole.
+                        await _until(lambda: ready(gw), 200, 15)
+                        events = await asyncio.wait_for(one_ws_request(gw, f"after-{restart}"), 15)
+                        assert [e["type"] for e in events] == ["token"] * TOKENS + ["done"], events
+                        await _until(functools.partial(_served_since, outcomes, back), True, 15)
+                    await asyncio.sleep(4)
+                    settled = time.monotonic() - 3
+                finally:
+                    stop.set()
+                    fake.stopped = True
+                    for task in [*clients, worker, *fake.tasks]:
+                        task.cancel()
+                    # Not gather: a redis-py read cut by a cancel can outlive it for a while.
+                    await asyncio.wait([*clients, worker], timeout=5)
+    finally:
+        # With Redis stopped, as when the event loop closes after the test.
+        survivors = await _end_tasks_but(harness, within_s=30)
+    assert not survivors, "tasks that outlived their first cancel: " + "\n\n".join(survivors)
+    late = [ok for t, ok in outcomes if t > settled]
+    assert late and all(late), f"{late.count(False)} of {len(late)} requests failed after the restarts"
+
+
+async def _end_tasks_but(harness: set[asyncio.Task[Any]], within_s: float) -> list[str]:
+    """Cancel every task the test started until they end. A task that survives a cancel (one swallowed
+    somewhere below it) would hang the event loop's close forever, after the test: here it is named,
+    with its stack, and cancelled again until it ends."""
+    me = asyncio.current_task()
+    survivors: dict[asyncio.Task[Any], str] = {}
+    deadline = time.monotonic() + within_s
+    first = True
+    while time.monotonic() < deadline:
+        tasks = [t for t in asyncio.all_tasks() if t is not me and t not in harness and not t.done()]
+        if not tasks:
+            break
+        if not first:
+            for t in tasks:
+                survivors.setdefault(t, "".join(traceback.format_stack(t.get_stack()[-1]))
+                                     if t.get_stack() else repr(t))
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks, timeout=1)
+        first = False
+    return [f"{t.get_name()} {t.get_coro()!r}\n{stack}" for t, stack in survivors.items() if not t.done()] + \
+        [f"(ended on a later cancel) {t.get_coro()!r}\n{stack}" for t, stack in survivors.items() if t.done()]
 
 
 async def _served_since(outcomes: list[tuple[float, bool]], since: float) -> bool:
     return sum(1 for t, ok in outcomes if ok and t > since) >= 20
 
 
-async def _until(probe: Any, want: Any) -> Any:
-    while True:
+async def _until(probe: Any, want: Any, within_s: float) -> Any:
+    """Probe until it answers `want`; TimeoutError after `within_s`. The deadline is checked here, not
+    left to a wait_for cancel: a cancel landing inside an HTTP client's own timeout can come out as
+    that client's timeout error, which this loop suppresses, and the test then waited forever."""
+    deadline = time.monotonic() + within_s
+    got = None
+    while time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError):
             got = await probe()
             if got == want:
                 return got
         await asyncio.sleep(0.2)
+    raise TimeoutError(f"still {got!r} after {within_s} s, waiting for {want!r}")
 
 
 def _silence_subscribes(pubsub: Any) -> Any:

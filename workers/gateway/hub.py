@@ -29,6 +29,7 @@ log = logging.getLogger("streamer.gateway")
 # the subscription under load, short enough that a claim whose push never happened (the gateway
 # died, Redis went away) frees the id for the client's retry within seconds.
 CLAIM_TTL_MS = 10_000
+CLOSE_TIMEOUT_S = 10.0  # how long close() waits for its background tasks to end
 
 # Prepended to SUBMIT_SCRIPT (its KEYS[1..3], ARGV[1..5]): KEYS[4] = the gateway's claim, KEYS[5] =
 # events:{id}; ARGV[6] = the claim's token, ARGV[7] = how long the claim lasts once the job exists
@@ -79,12 +80,18 @@ class Hub:
         self._runner = await self.relay.start()
 
     async def close(self) -> None:
-        if self._runner is not None:
-            self._runner.cancel()
-            await asyncio.gather(self._runner, return_exceptions=True)
-        for task in list(self._tasks):
+        self.relay.closed = True  # before the cancels: its loops end on it even if a cancel is lost
+        tasks = [*self._tasks, *([self._runner] if self._runner is not None else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if tasks:
+            # Bounded: a shutdown must end, even past a task that outlives its cancel.
+            ended, stuck = await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_S)
+            for task in ended:  # retrieved, so asyncio does not log them as never retrieved
+                if not task.cancelled():
+                    task.exception()
+            for task in stuck:
+                log.warning("closing: %s did not end within %.0f s of its cancel", task, CLOSE_TIMEOUT_S)
         await self.relay.close()
         await self.redis.aclose()
 

@@ -82,6 +82,9 @@ class EventRelay:
         # The current connection confirmed the resumes channel and no subscription timed out since:
         # /readyz is 503 otherwise (a gateway that cannot hear events must not get traffic).
         self.ready = False
+        # Set by close(): the loops end on it too, so a cancel swallowed somewhere inside redis-py
+        # (seen as a connect timeout, and retried) cannot keep one running after the gateway closed.
+        self.closed = False
 
     async def start(self) -> asyncio.Future[Any]:
         """Subscribes to the resumes channel; returns the loops to run until the gateway closes."""
@@ -89,6 +92,7 @@ class EventRelay:
         return asyncio.gather(self._main_loop(), self._idle_loop())
 
     async def close(self) -> None:
+        self.closed = True
         await self.pubsub.aclose()
         for pubsub in self._shard_pubsubs.values():
             await pubsub.aclose()
@@ -245,7 +249,7 @@ class EventRelay:
     async def _main_loop(self) -> None:
         """Reads the main pub/sub connection; replaces it after an error or when a watch asks."""
         backoff = Backoff("gateway pub/sub", log)
-        while True:
+        while not self.closed:
             if not self._connected or self._replace_generation == self.generation:
                 try:
                     await self._connect()
@@ -273,7 +277,7 @@ class EventRelay:
         """Reads one shard master's pub/sub connection (a cluster), which redis-py reconnects."""
         backoff = Backoff("gateway pub/sub", log)
         reconnected = False
-        while True:
+        while not self.closed:
             try:
                 msg = await next_message()
                 backoff.reset()
@@ -331,7 +335,7 @@ class EventRelay:
     async def _idle_loop(self) -> None:
         """A watch that heard nothing for a while reads its stream: covers any pub/sub message lost
         in a way the read loop could not see."""
-        while True:
+        while not self.closed:
             await asyncio.sleep(self.idle_poll_s / 2)
             now = time.monotonic()
             for readers in list(self.watches.values()):
