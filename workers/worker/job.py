@@ -47,12 +47,11 @@ class JobRunner:
 
     async def run(self, d: Delivery) -> None:
         """The task of one delivery (intake started it after `WorkerState.job_read`)."""
-        admitted = [False]
         try:
             if d.error is not None:
                 await self.answers.reject(d, d.error)
             else:
-                run = await self._serve(d, admitted)
+                run = await self._serve(d)
                 if run is not None:
                     self.accounting.finished(run.job, run.tokens, d.charged_to, d.charged, run.answer)
         except anyio.get_cancelled_exc_class():
@@ -71,11 +70,11 @@ class JobRunner:
                 log.exception("request %s (entry %s): could not report the failure", d.request_id,
                               d.entry_id)
         finally:
-            if not admitted[0]:
+            if not d.admitted:
                 self.state.admitted()
             self.state.job_ended(d.entry_id, d.request_id)
 
-    async def _serve(self, d: Delivery, admitted: list[bool]) -> RunningJob | None:
+    async def _serve(self, d: Delivery) -> RunningJob | None:
         """Answer a decoded job; returns it when this delivery answered it (None: a duplicate, or
         answered before)."""
         job, entry_id, state = d.job, d.entry_id, d.state
@@ -116,11 +115,11 @@ class JobRunner:
             return run
         self.state.running[job.id] = run
         with run.scope:
-            await self._generate(run, params, d, resume, admitted)
+            await self._generate(run, params, d, resume)
         return run
 
     async def _generate(self, run: RunningJob, params: SamplingParams, d: Delivery,
-                        resume: list[list[int]] | None, admitted: list[bool]) -> None:
+                        resume: list[list[int]] | None) -> None:
         prompt = await self._prompt(run)
         if prompt is None:
             return
@@ -130,7 +129,7 @@ class JobRunner:
             await self.attempts.record_start(run.job.id, run.epoch, run.next_seq, alone=d.suspect)
             started = await self._admit(run, prompt, params, resume)
         finally:
-            admitted[0] = True
+            d.admitted = True
             self.state.admitted()
             self.state.proven(d.suspect)
         if started is not None:

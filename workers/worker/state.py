@@ -43,6 +43,9 @@ class Delivery:
     previous: PreviousAttempt = field(default_factory=PreviousAttempt)  # the attempt before this claim
     state: ResumeState = field(default_factory=ResumeState)
     cancelled: bool = False
+    # It left the intake's count of jobs on their way into the engine (WorkerState.admitted), whether
+    # the engine took it or not: counted once, however the job ends.
+    admitted: bool = False
 
     @property
     def request_id(self) -> str | None:

@@ -1,4 +1,4 @@
-"""What the OpenAI API needs of the gateway (`Gateway`, a Protocol that server.py's `Gateway` meets),
+"""What the OpenAI API needs of the gateway (`GatewayServices`, a Protocol that server.py's `Gateway` meets),
 and one request's jobs as a single stream of events (`JobStream`): watched before the jobs exist,
 relayed in each job's seq order, and handed to the grace-period cancel when the client goes away."""
 
@@ -18,7 +18,7 @@ from workers.gateway.openai.response import StreamMeta
 from workers.gateway.tenants import TenantGate
 
 
-class Gateway(Protocol):
+class GatewayServices(Protocol):
     """What the API needs of the gateway that serves it (server.py's `Gateway`)."""
 
     config: GatewayConfig
@@ -50,7 +50,7 @@ SHUTDOWN: dict[str, Any] = {"type": "shutdown"}
 class JobStream:
     """The events of one OpenAI request's jobs, as (job index, event) in each job's seq order."""
 
-    def __init__(self, gw: Gateway, meta: StreamMeta) -> None:
+    def __init__(self, gw: GatewayServices, meta: StreamMeta) -> None:
         self.gw, self.meta = gw, meta
         self.queue: asyncio.Queue[tuple[int, dict[str, Any]]] = asyncio.Queue()
         self.watches: dict[str, Any] = {}

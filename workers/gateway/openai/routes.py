@@ -27,7 +27,7 @@ from clients.loras import list_all as list_loras
 from clients.loras import lookup as lookup_lora
 from clients.protocol import ID_RE, MAX_SESSION_CHARS, VERSION
 from workers.gateway.admission import check_job
-from workers.gateway.openai.jobs import Gateway, JobStream
+from workers.gateway.openai.jobs import GatewayServices, JobStream
 from workers.gateway.openai.lora_models import adapter_models, split_model
 from workers.gateway.openai.request import OpenAIError, OpenAIRequest, bad, parse_chat, parse_completion
 from workers.gateway.openai.response import Assembler, StreamMeta
@@ -67,7 +67,7 @@ def rate_limit_error(e: RateLimited) -> OpenAIError:
 
 
 class OpenAIRoutes:
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: GatewayServices) -> None:
         self.gw = gateway
         self._models: tuple[float, list[dict[str, str]]] = (-_MODELS_TTL_S, [])
         self._models_read: asyncio.Future[list[dict[str, str]]] | None = None
