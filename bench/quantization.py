@@ -56,8 +56,9 @@ def chat_ids(model: str, prompts: list[str]) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    return [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-            for p in prompts]
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+             for p in prompts]
+    return [tok(t, add_special_tokens=False).input_ids for t in texts]
 
 
 def run(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

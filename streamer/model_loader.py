@@ -27,14 +27,17 @@ def _replicated_loader(param: nn.Parameter, loaded: Any, shard_id: Any = None) -
     param.data.copy_(loaded[:])
 
 
-def load_weights(model: nn.Module, root: Path) -> None:
+def load_weights(model: nn.Module, root: Path, skipped_suffixes: tuple[str, ...] = ()) -> None:
     """Copy every checkpoint tensor into its parameter. Tensors are read lazily as slices so each
-    tensor-parallel rank reads only its own shard from disk."""
+    tensor-parallel rank reads only its own shard from disk. Names ending in `skipped_suffixes`
+    are not read (a quantized checkpoint's zero points, streamer/quantization/compressed_tensors.py)."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for file in checkpoint_files(root):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                if skipped_suffixes and name.endswith(skipped_suffixes):
+                    continue
                 target = model.checkpoint_name_to_param(name)
                 if target is None:
                     continue

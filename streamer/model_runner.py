@@ -24,6 +24,12 @@ from streamer.models.registry import model_class
 from streamer.outputs import StepPhases
 from streamer.parallel_state import SINGLE, TPGroup, building_with
 from streamer.quantization import quantize_model
+from streamer.quantization.compressed_tensors import (
+    SKIPPED_SUFFIXES,
+    add_scale_slots,
+    is_compressed_int8,
+    load_prequantized,
+)
 from streamer.request import Sequence
 from streamer.sampler import Sampler, SamplerOutput
 from streamer.scheduler_output import ScheduledSeq
@@ -51,13 +57,18 @@ class ModelRunner:
                                                                  model_config.max_model_len, device)
         finally:
             torch.set_default_dtype(torch.float32)
-        load_weights(self.model, model_config.path)
+        prequantized = is_compressed_int8(model_config.hf_config)  # an int8 checkpoint: its own values kept
+        if prequantized:
+            add_scale_slots(self.model, model_config.path)
+        load_weights(self.model, model_config.path, SKIPPED_SUFFIXES if prequantized else ())
         self.model.eval()
         # Adapters ride on the linear modules' outputs (forward hooks); with tensor parallelism each
         # rank would need its shard of every adapter, which is not built: LoRA runs on one rank. Built
         # before packing, which drops the dense weights whose shapes the adapters' stacks take.
         self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, device) \
             if config.max_loras and tp_group.size == 1 else None
+        if prequantized:  # after the adapters' stacks, which take the dense weights' shapes
+            load_prequantized(self.model)
         if config.quantization:  # before packing: the quantized weights take the slots oneDNN's copies would
             quantize_model(self.model, config.quantization)
         self.cache_dtype = cache_dtype(config.kv_cache_dtype, model_config.dtype)

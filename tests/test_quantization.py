@@ -187,3 +187,60 @@ def test_engine_greedy_tokens_equal_the_dequantized_model(llama_ckpt: Path, tmp_
         want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == want
     assert sum(map(len, got)) == sum(MAX_TOKENS)
+
+
+def _compressed_tensors_checkpoint(src: Path, dst: Path) -> Path:
+    """`src` as compressed-tensors writes a W8A16 (int-quantized, per-channel, symmetric) model:
+    `weight` int8, `weight_scale` [out, 1], `weight_zero_point` zeros, and its quantization_config."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith("proj.weight") or n == "lm_head.weight"]:
+        q, scale = quantize_int8_ref(tensors[name])
+        tensors[name] = q
+        tensors[name + "_scale"] = scale[:, None].to(torch.bfloat16).float()  # stored in the model's dtype
+        tensors[name + "_zero_point"] = torch.zeros(q.shape[0], 1, dtype=torch.int8)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False,
+               "group_size": None, "observer": "minmax"}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                      "output_activations": None}},
+        "ignore": [], "kv_cache_scheme": None}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_compressed_tensors_int8_checkpoint_keeps_its_values(llama_ckpt: Path, tmp_path: Path) -> None:
+    """The checkpoint's int8 values and scales, loaded as they are, give the tokens of the dense
+    checkpoint with those same values (its scales rounded to bfloat16, as stored) dequantized."""
+    from parity import MAX_TOKENS, parity_prompts
+
+    from streamer.errors import ConfigError
+
+    _kernel()
+    ct = _compressed_tensors_checkpoint(llama_ckpt, tmp_path / "ct")
+    tensors = load_file(str(ct / "model.safetensors"))
+    deq = {n: t for n, t in tensors.items() if not n.endswith(("_scale", "_zero_point"))}
+    for name in [n for n in deq if deq[n].dtype == torch.int8]:
+        deq[name] = dequantize_int8_ref(deq[name], tensors[name + "_scale"].flatten())
+    shutil.copytree(llama_ckpt, tmp_path / "deq")
+    save_file(deq, str(tmp_path / "deq" / "model.safetensors"), metadata={"format": "pt"})
+    prompts = [{"prompt_token_ids": p} for p in parity_prompts(512)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
+    options = dict(dtype="float32", device="cpu", num_kv_blocks=256, seed=0)
+    with LLM(str(ct), **options) as llm:
+        qkv = llm.engine.runner.model.layers[1].self_attn.qkv_proj
+        assert isinstance(qkv.packed, Int8Weight) and qkv.weight.numel() == 0
+        want_q = torch.cat([tensors[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+        assert torch.equal(qkv.packed.int8(), want_q)  # the file's values, not requantized
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    with LLM(str(tmp_path / "deq"), **options) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    config = json.loads((ct / "config.json").read_text())
+    config["quantization_config"]["format"] = "pack-quantized"
+    (ct / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="pack-quantized"):
+        LLM(str(ct), **options)
