@@ -1,7 +1,7 @@
 """Quantized weights and the fp8 KV cache on the built-in model: accuracy, speed, capacity.
 
     python -m bench.quantization [--model DIR] [--batches 1,2,4,8] [--repeats 3] [--tokens 64]
-                                 [--accuracy-tokens 1000] [--skip-speed] [--skip-accuracy]
+                                 [--accuracy-tokens 1000] [--skip-speed] [--skip-accuracy] [--kernels]
 
 Accuracy (against the same model in bfloat16): the bf16 engine writes `--accuracy-tokens` greedy
 tokens over 4 prompts; every other configuration then reads that exact text back (teacher
@@ -13,6 +13,10 @@ report how many tokens equal bf16's before the first difference and in all.
 Speed: decode tokens/s at batch sizes `--batches` (B prompts of ~30 tokens, `--tokens` new each,
 ignore_eos), the prefill step excluded, every configuration built once and run in turn, best of
 `--repeats`. Capacity: KV blocks in 1 GiB and the sequences of 1,024 tokens they hold.
+
+`--kernels` (alone): the int8 GEMM options on the built-in model's layer shapes, microseconds per
+call (best of 30): oneDNN bfloat16 with packed weights (what bf16 runs), torch._weight_int8pack_mm,
+and streamer's kernel.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "fp8 weights (CPU reference)": {"dtype": "bfloat16", "quantization": "fp8"},
 }
 SPEED_CONFIGS = ("fp32", "bf16", "int8", "bf16 + fp8 KV", "int8 + fp8 KV")
+# Free-running greedy decodes (slow on a busy 2-core machine): the configurations served fast on the CPU
+FREE_RUN_CONFIGS = ("int8", "bf16 + fp8 KV", "int8 + fp8 KV")
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain how a hash map works and when its operations are slow.",
@@ -48,8 +54,10 @@ PROMPTS = [
 
 
 def engine(model: str, name: str, **extra: Any) -> LLMEngine:
+    # No prefix caching: a teacher-forced sequence is text the same engine just wrote, and a cache hit
+    # would leave its positions out of the prefill whose logits are read.
     return LLMEngine(EngineConfig(model=model, device="cpu", seed=0, max_num_batched_tokens=4096,
-                                  **CONFIGS[name], **extra))
+                                  enable_prefix_caching=False, **CONFIGS[name], **extra))
 
 
 def chat_ids(model: str, prompts: list[str]) -> list[list[int]]:
@@ -121,14 +129,15 @@ def accuracy(model: str, total: int) -> dict[str, Accuracy]:
             idx = torch.tensor(t)[:, None]
             diffs.append((rows.gather(1, idx) - ref.gather(1, idx)).abs().flatten())
             agree += int((rows.argmax(1) == idx.flatten()).sum())
-        free = run(eng, prompts, greedy)
+        free = run(eng, prompts, greedy) if name in FREE_RUN_CONFIGS else []
         prefix = [next((i for i, (a, b) in enumerate(zip(f, r)) if a != b), len(r)) for f, r in zip(free, reference)]
         d = torch.cat(diffs)
         results[name] = Accuracy(float(d.mean()), float(d.quantile(0.99)), float(d.max()), agree / d.numel(), prefix,
                                  sum(a == b for f, r in zip(free, reference) for a, b in zip(f, r)), d.numel())
+        free_text = (f"free greedy: first difference at {prefix}, {results[name].free_equal}/{d.numel()} equal"
+                     if free else "free greedy: not run")
         print(f"{name:30s} |dlogp| mean {d.mean():.4f} p99 {d.quantile(0.99):.4f} max {d.max():.4f}  "
-              f"forced argmax agreement {agree / d.numel():.1%}  free greedy: first difference at {prefix}, "
-              f"{results[name].free_equal}/{d.numel()} equal", flush=True)
+              f"forced argmax agreement {agree / d.numel():.1%}  {free_text}", flush=True)
         del eng
     return results
 
@@ -153,7 +162,7 @@ def speed(model: str, batches: list[int], tokens: int, repeats: int) -> dict[str
             for name, eng in engines.items():  # in turn, so a busy spell on the machine hits them alike
                 best[name][b].append(decode_rate(eng, b, tokens))
     rates = {n: {b: max(v) for b, v in per.items()} for n, per in best.items()}
-    print("\ndecode tok/s (best of %d; median in brackets)" % repeats)
+    print(f"\ndecode tok/s (best of {repeats}; median in brackets)")
     print("config".ljust(16) + "".join(f"batch {b}".rjust(22) for b in batches))
     for name in engines:
         cells = "".join(f"{rates[name][b]:9.1f} ({statistics.median(best[name][b]):6.1f}) "
@@ -171,6 +180,33 @@ def capacity(model: str) -> None:
         del eng
 
 
+def kernels() -> None:
+    from streamer_kernels.int8_gemm import pack_int8_weight, quantize_int8_ref
+    from streamer_kernels.int8_gemm_cpu import int8_linear_cpu
+
+    def best_us(fn: Any, n: int = 30) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times) * 1e6
+
+    print("out x in, rows: oneDNN bf16 | _weight_int8pack_mm (bf16 x) | streamer int8 (us)")
+    for n, k in ((1728, 576), (3072, 576), (576, 1536), (49152, 576)):  # qkv, gate_up, down, LM head
+        w = torch.randn(n, k)
+        q, scale = quantize_int8_ref(w)
+        packed, onednn = pack_int8_weight(q), torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 8)
+        for m in (1, 4, 8, 16, 64):
+            x = torch.randn(m, k).bfloat16()
+            a = best_us(lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""))  # noqa: B023
+            b = best_us(lambda: torch._weight_int8pack_mm(x, q, scale.bfloat16()))  # noqa: B023
+            c = best_us(lambda: int8_linear_cpu(x, packed, scale, None, n))  # noqa: B023
+            print(f"{n:6d} x {k:4d}, {m:2d}: {a:8.0f} | {b:8.0f} | {c:8.0f}   int8 {a / c:4.2f}x of bf16", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
@@ -180,7 +216,11 @@ def main() -> None:
     parser.add_argument("--accuracy-tokens", type=int, default=1000)
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-accuracy", action="store_true")
+    parser.add_argument("--kernels", action="store_true")
     args = parser.parse_args()
+    if args.kernels:
+        kernels()
+        return
     model = str(resolve_model(args.model))
     print(f"model {model}, torch threads {torch.get_num_threads()}")
     if not args.skip_accuracy:
