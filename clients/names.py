@@ -8,6 +8,10 @@ from dataclasses import dataclass
 
 # Rank of the default lane (`requests`) in the stream registry: after every priority lane.
 DEFAULT_LANE_RANK = 2**31 + 1
+# Jobs of at least this priority (the OpenAI Batch API's lines) wait in the batch lane, read only when
+# every other lane is empty, so batch work uses only the capacity interactive traffic leaves.
+BATCH_PRIORITY = 2**30
+BATCH_LANE_RANK = DEFAULT_LANE_RANK + 1
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,8 @@ class Names:
 
     def lane_for(self, priority: int) -> tuple[str, int]:
         """(stream, rank) of the lane a job of this priority waits in."""
+        if priority >= BATCH_PRIORITY and self.shards == 1:
+            return f"{self.requests}:batch", BATCH_LANE_RANK
         for cutoff in self.lanes:
             if priority <= cutoff:
                 return f"{self.requests}:prio{cutoff}", cutoff

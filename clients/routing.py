@@ -27,7 +27,7 @@ from typing import Any
 
 from clients.chat_messages import parse_messages
 from clients.heartbeats import live_script, live_worker_stats
-from clients.names import Names
+from clients.names import BATCH_PRIORITY, Names
 
 TEXT_CHUNK_CHARS = 256
 TOKEN_CHUNK_IDS = 64
@@ -210,7 +210,9 @@ class Router:
         return route
 
     async def _route(self, job: dict[str, Any]) -> Route:
-        if self.policy == "shared" or self.names.shards > 1:
+        # Batch lines wait only in the batch lane: a worker reads its own stream before every lane,
+        # so a routed batch job would run ahead of interactive ones.
+        if self.policy == "shared" or self.names.shards > 1 or int(job.get("priority") or 0) >= BATCH_PRIORITY:
             return lane_route(self.names, job)
         await self._refresh()
         if len(self._capacity) < 2:  # one worker (or none): the shared lane is as good and simpler

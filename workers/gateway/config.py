@@ -41,6 +41,7 @@ class GatewayConfig:
     max_connections: int = 10000  # open WebSockets; more are refused with HTTP 503
     # OpenAI API requests are refused with 429 while the request streams hold this many entries (0: no bound).
     max_queued_jobs: int = 10000
+    max_file_bytes: int = 64 << 20  # largest file uploaded to /v1/files (413 past it): files live in Redis
     send_queue_bytes: int = 4 << 20  # per connection, beyond what the socket buffers hold
     cancel_grace_s: float = 10.0  # a closed socket's requests are cancelled after this, unless resumed
     request_ttl_s: float = 3600.0  # lifetime of the gateway's id claims and cancel markers

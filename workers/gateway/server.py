@@ -33,6 +33,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from clients.errors import ProtocolError
 from clients.protocol import Limits, Names
 from workers.errors import UserError
+from workers.gateway.batch_runner import BatchRunner
 from workers.gateway.config import GatewayConfig
 from workers.gateway.http_protocol import with_header_deadline
 from workers.gateway.hub import Hub
@@ -85,6 +86,7 @@ class Gateway:
         self.draining = asyncio.Event()  # whole (non-streamed) HTTP answers end with 503 when set
         self.sse_streams: set[JobStream] = set()  # SSE answers now: each told at once on shutdown
         self.openai = OpenAIRoutes(self)
+        self.batch_runner = BatchRunner(self)  # advances the Batch API's batches, with any other gateway
         self.app = Starlette(routes=[*self.routes.routes(self._handle), *self.openai.routes(),
                                      Route("/{path:path}", self.routes.static, methods=["GET", "HEAD"])])
         self.server: _Server | None = None
@@ -125,6 +127,7 @@ class Gateway:
         # The prompt limit (unless --max-prompt-tokens) and whether anyone serves at all (`accepted`
         # frames say how many workers are alive) are learned from the heartbeats.
         self._watch_workers = asyncio.create_task(self._workers_loop())
+        self.hub.spawn(self.batch_runner.run(), "batch runner")  # ends with the hub (close)
         log.info("gateway on %s (WebSocket %s), Redis prefix %r", self.url, self.ws_url, self.config.prefix)
 
     async def close(self) -> None:

@@ -25,8 +25,11 @@ from clients.backoff import TRANSIENT
 from clients.errors import ProtocolError
 from clients.loras import list_all as list_loras
 from clients.loras import lookup as lookup_lora
-from clients.protocol import ID_RE, MAX_SESSION_CHARS, VERSION
-from workers.gateway.admission import check_job
+from clients.protocol import ID_RE, MAX_SESSION_CHARS
+from workers.gateway.openai.batches import BatchRoutes
+from workers.gateway.openai.file_store import RedisFileStore
+from workers.gateway.openai.files import FileRoutes
+from workers.gateway.openai.job_builder import build_jobs, from_protocol
 from workers.gateway.openai.jobs import GatewayServices, JobStream
 from workers.gateway.openai.lora_models import adapter_models, split_model
 from workers.gateway.openai.request import OpenAIError, OpenAIRequest, bad, parse_chat, parse_completion
@@ -35,7 +38,7 @@ from workers.gateway.openai.stream import Position, sse_events, wants_resumable
 from workers.gateway.resume import begin_resume
 from workers.gateway.routes import key_ok, request_token
 from workers.gateway.submit import submit_jobs
-from workers.gateway.tenants import RateLimited, job_id, tag
+from workers.gateway.tenants import RateLimited, job_id
 
 log = logging.getLogger("streamer.gateway")
 _MODELS_TTL_S = 2.0  # how long the list of served models is reused
@@ -46,14 +49,6 @@ def error_response(e: OpenAIError, request_id: str | None = None) -> JSONRespons
     if request_id:
         headers["X-Request-Id"] = request_id
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
-
-
-_STATUS = {"invalid_request": 400, "invalid_params": 400, "too_large": 413, "bad_encoding": 400,
-           "unsupported_version": 400, "duplicate_id": 409, "unknown_request": 404}
-
-
-def from_protocol(e: ProtocolError) -> OpenAIError:
-    return OpenAIError(_STATUS.get(e.code, 400), e.message, None, e.code)
 
 
 def rate_limit_error(e: RateLimited) -> OpenAIError:
@@ -71,12 +66,16 @@ class OpenAIRoutes:
         self.gw = gateway
         self._models: tuple[float, list[dict[str, str]]] = (-_MODELS_TTL_S, [])
         self._models_read: asyncio.Future[list[dict[str, str]]] | None = None
+        # The Batch API (files.py, batches.py); the gateway's batch runner drives the batches.
+        self.files = FileRoutes(gateway, RedisFileStore(gateway.hub.redis, gateway.hub.names))
+        self.batches = BatchRoutes(gateway, self.files, self._check_model)
 
     def routes(self) -> list[Route]:
         return [Route("/v1/models", self._guard(self.models), methods=["GET"]),
                 Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
                 Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
-                Route("/v1/streams/{request_id:path}", self._guard(self.resume), methods=["GET"])]
+                Route("/v1/streams/{request_id:path}", self._guard(self.resume), methods=["GET"]),
+                *self.files.routes(self._guard), *self.batches.routes(self._guard)]
 
     def _guard(self, handler: Any) -> Any:
         """API key first; every failure answered in OpenAI's error shape."""
@@ -200,22 +199,7 @@ class OpenAIRoutes:
 
     def _jobs(self, req: OpenAIRequest, meta: StreamMeta, tenant: str = "",
               session: str | None = None, lora: str | None = None) -> list[dict[str, Any]]:
-        many = len(req.prompts) > 1
-        jobs = []
-        for p, prompt in enumerate(req.prompts):
-            own = f"{meta.request_id}.{p}" if many else meta.request_id
-            job = {"v": VERSION, "id": job_id(tenant, own), **prompt,
-                   "params": req.params}
-            if req.priority is not None:
-                job["priority"] = req.priority
-            if lora is not None:
-                job["lora"] = lora
-            tag(job, tenant, session)
-            try:
-                check_job(job, self.gw.limits, self.gw.prompt_limit(), self.gw.workers_max_model_len)
-            except ProtocolError as e:
-                raise from_protocol(e) from e
-            jobs.append(job)
+        jobs = build_jobs(self.gw, req, meta.request_id, tenant, session, lora)
         meta.jobs = [job["id"] for job in jobs]
         return jobs
 

@@ -1,0 +1,45 @@
+"""One parsed OpenAI request -> its checked protocol v1 jobs: shared by the live endpoints (routes.py)
+and the Batch API (batches.py), so a batch line becomes exactly the job the same body sent live would."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from clients.errors import ProtocolError
+from clients.protocol import VERSION
+from workers.gateway.admission import check_job
+from workers.gateway.openai.jobs import GatewayServices
+from workers.gateway.openai.request import OpenAIError, OpenAIRequest
+from workers.gateway.tenants import job_id, tag
+
+_STATUS = {"invalid_request": 400, "invalid_params": 400, "too_large": 413, "bad_encoding": 400,
+           "unsupported_version": 400, "duplicate_id": 409, "unknown_request": 404}
+
+
+def from_protocol(e: ProtocolError) -> OpenAIError:
+    return OpenAIError(_STATUS.get(e.code, 400), e.message, None, e.code)
+
+
+def build_jobs(gw: GatewayServices, req: OpenAIRequest, request_id: str, tenant: str = "",
+               session: str | None = None, lora: str | None = None,
+               priority: int | None = None) -> list[dict[str, Any]]:
+    """One job per prompt (ids `request_id`, or `request_id.N` for several), tagged with the tenant,
+    checked as every pushed job is. `priority` overrides the request's own (the batch lane's)."""
+    many = len(req.prompts) > 1
+    jobs = []
+    for p, prompt in enumerate(req.prompts):
+        own = f"{request_id}.{p}" if many else request_id
+        job = {"v": VERSION, "id": job_id(tenant, own), **prompt, "params": req.params}
+        if priority is None:
+            priority = req.priority
+        if priority is not None:
+            job["priority"] = priority
+        if lora is not None:
+            job["lora"] = lora
+        tag(job, tenant, session)
+        try:
+            check_job(job, gw.limits, gw.prompt_limit(), gw.workers_max_model_len)
+        except ProtocolError as e:
+            raise from_protocol(e) from e
+        jobs.append(job)
+    return jobs
