@@ -23,9 +23,11 @@ VERSION = 1
 ENCODINGS = ("json", "msgpack")
 JOB_FIELDS = frozenset(
     {"v", "id", "prompt", "prompt_token_ids", "messages", "tools", "tool_choice", "params", "priority", "deadline",
-     "tenant", "session", "lora"}
+     "tenant", "session", "lora", "traceparent"}
 )
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
+# https://www.w3.org/TR/trace-context/#traceparent-header (version 00, lower-case hex).
+TRACEPARENT_RE = re.compile(r"^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 # Ids become part of Redis key names and log lines: keep them printable and short.
 ID_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 # Tenant names become part of stream names (a tenant's queue, docs/scheduling.md).
@@ -60,6 +62,7 @@ class Job:
     tenant: str = ""  # set by the gateway from the API key ("": none); its share and limits apply
     session: str = ""  # calls of one conversation or agent ("": none): affinity and attained service
     lora: str = ""  # the registered LoRA adapter it runs under ("": the base model)
+    traceparent: str = ""  # W3C trace context of the span that submitted it ("": not traced)
 
 
 def event_stream_id(seq: int) -> str:
@@ -301,6 +304,10 @@ def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
         if not isinstance(obj["lora"], str) or not LORA_NAME_RE.match(obj["lora"]):
             raise bad("`lora` must be 1 to 64 letters, digits, '.', '_' or '-'")
         job.lora = obj["lora"]
+    if obj.get("traceparent") is not None:
+        if not isinstance(obj["traceparent"], str) or not TRACEPARENT_RE.match(obj["traceparent"]):
+            raise bad("`traceparent` must be a W3C trace context: 00-<32 hex>-<16 hex>-<2 hex>")
+        job.traceparent = obj["traceparent"]
     return job
 
 

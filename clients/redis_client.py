@@ -145,7 +145,8 @@ def build_job(request_id: str, prompt: str | None, messages: list[dict[str, Any]
               prompt_token_ids: list[int] | None, params: dict[str, Any] | None,
               priority: int | None, deadline: int | None, tools: list[dict[str, Any]] | None = None,
               session: str | None = None, tenant: str | None = None,
-              tool_choice: str | dict[str, Any] | None = None, lora: str | None = None) -> dict[str, Any]:
+              tool_choice: str | dict[str, Any] | None = None, lora: str | None = None,
+              traceparent: str | None = None) -> dict[str, Any]:
     job: dict[str, Any] = {"id": request_id, "params": dict(params or {})}
     given = {"prompt": prompt, "messages": messages, "prompt_token_ids": prompt_token_ids}
     given = {k: v for k, v in given.items() if v is not None}
@@ -153,7 +154,7 @@ def build_job(request_id: str, prompt: str | None, messages: list[dict[str, Any]
         raise ValueError("give exactly one of prompt, messages, prompt_token_ids")
     job.update(given)
     optional = {"priority": priority, "deadline": deadline, "tools": tools, "tool_choice": tool_choice,
-                "session": session, "tenant": tenant, "lora": lora}
+                "session": session, "tenant": tenant, "lora": lora, "traceparent": traceparent}
     job.update({k: v for k, v in optional.items() if v is not None})
     return job
 
@@ -191,17 +192,18 @@ class AsyncClient:
                      id: str | None = None, priority: int | None = None, deadline: int | None = None,
                      tools: list[dict[str, Any]] | None = None, session: str | None = None,
                      tenant: str | None = None, tool_choice: str | dict[str, Any] | None = None,
-                     lora: str | None = None) -> str:
+                     lora: str | None = None, traceparent: str | None = None) -> str:
         """Push a job; returns its id (a fresh UUID unless given). `tools`: function definitions the
         chat template renders (with `messages`); `tool_choice`: "auto" (the default with tools),
         "none", "required" or {"type": "function", "function": {"name": ...}}
         (docs/structured_outputs.md). `session`: calls of one conversation or agent share it (they go
         to the worker holding its KV, and light sessions overtake heavy ones). `tenant`: whose share
         the job counts against (a gateway sets it from the API key). `lora`: the registered LoRA
-        adapter to run under (`streamer lora add`; docs/lora.md)."""
+        adapter to run under (`streamer lora add`; docs/lora.md). `traceparent`: the W3C trace context
+        the worker's spans join (docs/observability.md#traces)."""
         request_id = id or uuid.uuid4().hex
         job = build_job(request_id, prompt, messages, prompt_token_ids, params, priority, deadline, tools,
-                        session, tenant, tool_choice, lora)
+                        session, tenant, tool_choice, lora, traceparent)
         ((field_name, payload),) = encode_job(job, self.encoding).items()
         route = await retry("route", log, lambda: self.router.route(job), self.retry_s)
         # Safe to retry: if a lost reply hides a first XADD that worked, the second copy carries the

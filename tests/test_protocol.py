@@ -244,7 +244,7 @@ def test_pubsub_messages_and_event_entries_decode_in_either_encoding(encoding):
 
 
 ALLOWED = ("['deadline', 'id', 'lora', 'messages', 'params', 'priority', 'prompt', 'prompt_token_ids', 'session', "
-           "'tenant', 'tool_choice', 'tools', 'v']")
+           "'tenant', 'tool_choice', 'tools', 'traceparent', 'v']")
 CHAT = [{"role": "user", "content": "x"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 NAMED_F = {"type": "function", "function": {"name": "f"}}
@@ -453,3 +453,13 @@ def test_an_undecodable_pubsub_message_names_its_encoding():
     with pytest.raises(ProtocolError) as info:
         decode_message(b"\xc1")  # never used in msgpack
     assert info.value.code == "bad_encoding" and str(info.value).startswith("cannot decode msgpack payload")
+
+
+@pytest.mark.parametrize("value", ["00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331",  # no flags
+                                   "00-0AF7651916CD43DD8448EB211C80319C-B7AD6B7169203331-01",  # upper case
+                                   "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", 7, ""])
+def test_a_traceparent_must_be_a_w3c_trace_context(value: object) -> None:
+    with pytest.raises(ProtocolError, match="traceparent"):
+        parse_job({"v": 1, "id": "t", "prompt": "x", "traceparent": value}, "json")
+    good = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    assert parse_job({"v": 1, "id": "t", "prompt": "x", "traceparent": good}, "json").traceparent == good

@@ -12,6 +12,7 @@ from typing import Any
 
 from clients.errors import ProtocolError
 from clients.progress import Placement
+from workers import tracing
 from workers.gateway.hub import Hub
 from workers.gateway.tenants import Reservation, TenantGate
 
@@ -26,6 +27,7 @@ async def submit_jobs(hub: Hub, gate: TenantGate | None, tenant: str, jobs: list
     claims: dict[str, str] = {}
     pushed: list[str] = []
     reservation: Reservation | None = None
+    spans = _request_spans(jobs)
     try:
         for job in jobs:
             claim = await hub.claim(job["id"], tenant)
@@ -51,4 +53,24 @@ async def submit_jobs(hub: Hub, gate: TenantGate | None, tenant: str, jobs: list
         if gate is not None:
             with contextlib.suppress(Exception):  # a pushed one's slot is freed by the worker that ends it
                 await gate.release(reservation, [job["id"] for job in jobs if job["id"] not in pushed])
+        for span in spans:
+            span.set_attribute("streamer.refused", True)
         raise
+    finally:
+        for span in spans:
+            span.end()
+
+
+def _request_spans(jobs: list[dict[str, Any]]) -> list[Any]:
+    """With tracing on, a `gateway.request` span per job, under the client's trace when it sent one;
+    the job carries the span on (its `traceparent`), so the worker's spans are its children."""
+    tracer = tracing.tracer("streamer-gateway")
+    if tracer is None:
+        return []
+    spans = []
+    for job in jobs:
+        span = tracer.start_span("gateway.request", context=tracing.context_of(job.get("traceparent", "")),
+                                 attributes={"streamer.request_id": job["id"]})
+        job["traceparent"] = tracing.traceparent_of(span)
+        spans.append(span)
+    return spans

@@ -49,15 +49,23 @@ class Answers:
             events = [*events, error_event(run.job.id, run.next_seq + len(events), error.code, error.message)]
         run.next_seq += len(events)
         stream, entry = run.stream, run.entry_id
+        on_written = None
+        if final:
+            traced = run.trace.final_write()
+
+            def on_written() -> None:
+                self.state.release_entry(stream, entry)
+                if traced is not None:
+                    traced()
+
         self.writer.put(Write(run.job.id, run.job.encoding, events, ack_entry=entry if final else None,
-                              ack_stream=stream,
-                              on_written=(lambda: self.state.release_entry(stream, entry)) if final else None,
-                              epoch=run.epoch))
+                              ack_stream=stream, on_written=on_written, epoch=run.epoch))
 
     async def fail(self, run: RunningJob, code: str, message: str) -> None:
         """Answer a job we own with an error event, and keep it in the dead letters unless the error
         is the client's own mistake."""
         error = ProtocolError(code, message[:300], run.job.id)
+        run.trace.failed(code)
         log.info("request %s (entry %s): %s: %s", run.job.id, run.entry_id, code, error.message)
         if code not in CLIENT_FAULTS:
             await self.dead_letter(run.entry_id, run.fields, error)

@@ -22,6 +22,7 @@ from clients.resume import ResumeState
 from streamer import RequestOutput, SamplingParams
 from streamer.errors import EngineDeadError, GrammarError, QueueFullError
 from streamer.lora import LoRARequest
+from workers.worker import job_trace
 from workers.worker.accounting import Accounting
 from workers.worker.answers import Answers
 from workers.worker.attempts import Attempts
@@ -72,6 +73,7 @@ class JobRunner:
         finally:
             if not d.admitted:
                 self.state.admitted()
+            d.trace.end()
             self.state.job_ended(d.entry_id, d.request_id)
 
     async def _serve(self, d: Delivery) -> RunningJob | None:
@@ -87,7 +89,8 @@ class JobRunner:
         if state.finished:  # answered before, only the ack was lost
             await self.answers.ack(d.stream, entry_id)
             return None
-        run = RunningJob(job, entry_id, state.next_seq, d.fields, stream=d.stream, epoch=d.epoch)
+        d.trace = job_trace.start(job, entry_id, d.deliveries, self.cfg.consumer, state.next_seq)
+        run = RunningJob(job, entry_id, state.next_seq, d.fields, stream=d.stream, epoch=d.epoch, trace=d.trace)
         deliveries = d.deliveries
         if deliveries > self.cfg.max_deliveries:
             await self.answers.fail(run, "too_many_deliveries",
@@ -127,6 +130,7 @@ class JobRunner:
         await self.state.enter_engine(d.suspect)
         try:
             await self.attempts.record_start(run.job.id, run.epoch, run.next_seq, alone=d.suspect)
+            run.trace.prefill()
             started = await self._admit(run, prompt, params, resume)
         finally:
             d.admitted = True
@@ -134,6 +138,7 @@ class JobRunner:
             self.state.proven(d.suspect)
         if started is not None:
             self.accounting.started(run.job)
+            run.trace.decoding()
             stream, first = started
             try:
                 await self._relay(run, params, d.state, stream, first, tools)
@@ -244,6 +249,7 @@ class JobRunner:
                 run.tokens = usage["prompt_tokens"] + usage["completion_tokens"]
                 # A resumed run's answer began elsewhere: its text here is only a part of it.
                 run.answer = None if state.token_ids else answer_text
+                run.trace.finished(usage, finish_reasons)
                 self.answers.emit(run, events)
                 observed.finished(out, finish_reasons, params, emitted)
                 return

@@ -24,6 +24,7 @@ from anyio.abc import TaskGroup
 from redis.exceptions import ResponseError
 
 from clients.backoff import TRANSIENT, retry
+from workers import tracing
 from workers.redis_options import async_client
 from workers.worker.accounting import Accounting
 from workers.worker.answers import Answers
@@ -113,6 +114,8 @@ class Worker:
         stats = self.engine.stats()
         log.info("worker %s: model %s on %s in %s, group %s on %s", cfg.consumer, cfg.model_name,
                  stats.get("device", "?"), stats.get("dtype", "?"), self.names.group, self.names.requests)
+        if tracing.tracer("streamer-worker") is not None:
+            log.info("worker %s: OpenTelemetry traces on (OTLP/HTTP)", cfg.consumer)
         await self.intake.ensure_group()
         # Its own stream registered before its first heartbeat makes it a routing target: a job
         # routed to it must be found by the others' reclaimers even if it dies at once.
@@ -145,6 +148,7 @@ class Worker:
                 await self._leave()
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(self.metrics.close)
+                await anyio.to_thread.run_sync(tracing.flush)
                 await self.queue.aclose()
             await self.redis.aclose()
         if self.state.engine_error is not None:

@@ -21,6 +21,7 @@ from clients.errors import ProtocolError
 from clients.protocol import Job
 from clients.resume import ResumeState
 from workers.worker.attempts import PreviousAttempt
+from workers.worker.job_trace import NO_TRACE, NoTrace
 
 log = logging.getLogger("streamer.worker")
 _MAX_REMEMBERED_CANCELS = 10_000
@@ -46,6 +47,7 @@ class Delivery:
     # It left the intake's count of jobs on their way into the engine (WorkerState.admitted), whether
     # the engine took it or not: counted once, however the job ends.
     admitted: bool = False
+    trace: NoTrace = NO_TRACE
 
     @property
     def request_id(self) -> str | None:
@@ -68,6 +70,7 @@ class RunningJob:
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     tokens: int = 0  # prompt and generated tokens, once it finished (its tenant's real charge)
     answer: str | None = None  # the first sample's whole text, once it finished
+    trace: NoTrace = NO_TRACE  # its spans here (job_trace.py), when tracing is on
 
 
 class WorkerState:

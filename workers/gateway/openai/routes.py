@@ -25,7 +25,7 @@ from clients.backoff import TRANSIENT
 from clients.errors import ProtocolError
 from clients.loras import list_all as list_loras
 from clients.loras import lookup as lookup_lora
-from clients.protocol import ID_RE, MAX_SESSION_CHARS
+from clients.protocol import ID_RE, MAX_SESSION_CHARS, TRACEPARENT_RE
 from workers.gateway.openai.batches import BatchRoutes
 from workers.gateway.openai.file_store import RedisFileStore
 from workers.gateway.openai.files import FileRoutes
@@ -158,6 +158,10 @@ class OpenAIRoutes:
                           req.include_usage, req.top_logprobs)
         tenant = self.gw.config.tenant_of(request_token(request))  # _guard checked the key
         jobs = self._jobs(req, meta, tenant, _session(request, req), lora)
+        carried = request.headers.get("traceparent", "")
+        if TRACEPARENT_RE.match(carried):  # W3C: one that cannot be read is ignored (a new trace)
+            for job in jobs:
+                job["traceparent"] = carried
         try:
             stream = await self._submit(meta, jobs, tenant)
         except RateLimited as e:
