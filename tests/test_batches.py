@@ -13,7 +13,7 @@ from typing import Any
 import openai
 import pytest
 import redis.asyncio as aioredis
-from redis_worker_helpers import NAMES, running_worker
+from redis_worker_helpers import NAMES, kill_all, running_worker, worker_process
 from test_gateway import config
 
 from clients.names import BATCH_LANE_RANK
@@ -166,42 +166,46 @@ async def _status(client: openai.AsyncOpenAI, batch_id: str, status: str) -> boo
 
 
 @pytest.mark.anyio
-async def test_a_batch_survives_gateway_restarts_and_redis_restart(llama_ckpt: Path, tmp_path: Path) -> None:
+async def test_a_batch_survives_gateway_worker_and_redis_restarts(llama_ckpt: Path, tmp_path: Path) -> None:
     """Two gateways: one creates the batch, the other answers for it; the first is stopped mid-batch,
-    Redis (AOF) restarts, a fresh gateway starts; the output has every custom_id once, each answer as
-    in an uninterrupted run (greedy)."""
+    the worker is SIGKILLed, Redis (AOF) restarts, a fresh gateway and worker start; the output has every
+    custom_id once, each answer as in an uninterrupted run (greedy)."""
     model = str(llama_ckpt)
-    lines = chat_lines(model, 48, max_tokens=24)
+    total = 120
+    lines = chat_lines(model, total, max_tokens=32)
     with RedisServer(appendonly=True) as server:
         url = server.url
-        async with running_worker(llama_ckpt, url):
-            async with running_gateway(config(url)) as gw, sdk(gw) as client:
-                up = await client.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
-                batch = await client.batches.create(input_file_id=up.id, endpoint=CHAT, completion_window="24h")
-                reference = answers(await output(client, (await finished(client, batch.id))[-1].output_file_id))
-                interrupted = await client.batches.create(input_file_id=up.id, endpoint=CHAT,
-                                                          completion_window="24h")
-                async with running_gateway(config(url)) as other, sdk(other) as other_client:
-                    # Any gateway answers for a batch another created.
-                    assert (await other_client.batches.retrieve(interrupted.id)).id == interrupted.id
-                    await until(lambda: _some_done(client, interrupted.id), timeout=60, interval=0.02)
-                    await gw.close()  # the gateway that drove it goes away mid-batch
-                    await until(lambda: _more_done(other_client, interrupted.id, 12), timeout=60, interval=0.02)
-                    mid = (await other_client.batches.retrieve(interrupted.id)).request_counts.completed
-                    assert mid < 48, "the batch ended before Redis restarted"
-            await asyncio.to_thread(server.restart, 0.5)
-            async with running_gateway(config(url)) as fresh, sdk(fresh) as client:
-                end = (await finished(client, interrupted.id))[-1]
-                assert end.status == "completed" and end.request_counts.completed == 48
-                out = await output(client, end.output_file_id)
+        async with running_worker(llama_ckpt, url), running_gateway(config(url)) as gw, sdk(gw) as client:
+            up = await client.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+            batch = await client.batches.create(input_file_id=up.id, endpoint=CHAT, completion_window="24h")
+            reference = answers(await output(client, (await finished(client, batch.id))[-1].output_file_id))
+        proc = worker_process(llama_ckpt, url, log_path=tmp_path / "worker.log")
+        try:
+            async with running_gateway(config(url)) as gw, sdk(gw) as client, \
+                    running_gateway(config(url)) as other, sdk(other) as other_client:
+                interrupted = await client.batches.create(input_file_id=up.id, endpoint=CHAT, completion_window="24h")
+                # Any gateway answers for a batch another created.
+                assert (await other_client.batches.retrieve(interrupted.id)).id == interrupted.id
+                await until(lambda: _done_at_least(client, interrupted.id, 1), timeout=120, interval=0.02)
+                await gw.close()  # the gateway that drove it goes away mid-batch
+                before = (await other_client.batches.retrieve(interrupted.id)).request_counts.completed
+                await until(lambda: _done_at_least(other_client, interrupted.id, before + 1), timeout=60,
+                            interval=0.02)  # the other gateway carries on
+                proc.kill()  # SIGKILL, mid-answer
+                proc.wait()
+                mid = (await other_client.batches.retrieve(interrupted.id)).request_counts.completed
+                assert mid < total, "the batch ended before the worker was killed"
+        finally:
+            kill_all({"worker": proc})
+        await asyncio.to_thread(server.restart, 0.5)
+        async with running_worker(llama_ckpt, url), running_gateway(config(url)) as fresh, sdk(fresh) as client:
+            end = (await finished(client, interrupted.id))[-1]
+            assert end.status == "completed" and end.request_counts.completed == total
+            out = await output(client, end.output_file_id)
     ids = Counter(x["custom_id"] for x in out)
     assert set(ids) == {line["custom_id"] for line in lines} and set(ids.values()) == {1}
     assert answers(out) == reference
 
 
-async def _some_done(client: openai.AsyncOpenAI, batch_id: str) -> bool:
-    return (await client.batches.retrieve(batch_id)).request_counts.completed > 0
-
-
-async def _more_done(client: openai.AsyncOpenAI, batch_id: str, at_least: int) -> bool:
-    return (await client.batches.retrieve(batch_id)).request_counts.completed >= at_least
+async def _done_at_least(client: openai.AsyncOpenAI, batch_id: str, count: int) -> bool:
+    return (await client.batches.retrieve(batch_id)).request_counts.completed >= count
