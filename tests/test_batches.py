@@ -12,11 +12,15 @@ from typing import Any
 
 import openai
 import pytest
+import redis
 import redis.asyncio as aioredis
 from redis_worker_helpers import NAMES, kill_all, running_worker, worker_process
+from rich.console import Console
 from test_gateway import config
 
 from clients.names import BATCH_LANE_RANK
+from workers.cli.top_data import Gatherer
+from workers.cli.top_view import render
 from workers.gateway.server import running_gateway
 from workers.redis_server import RedisServer
 
@@ -148,6 +152,13 @@ async def test_invalid_lines_fail_the_batch_and_cancel_ends_it(llama_ckpt: Path,
         up = await client.files.create(file=("long.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
         batch = await client.batches.create(input_file_id=up.id, endpoint=CHAT, completion_window="24h")
         await until(lambda: _status(client, batch.id, "in_progress"), timeout=30)
+        # `streamer top` lists it with its counts (the second refresh reads the batches the first found).
+        top = Gatherer(redis.Redis.from_url(redis_url), NAMES, redis_url)
+        top.snapshot()
+        rows = top.snapshot()["batches"]
+        assert [(b["id"], b["status"], b["endpoint"], b["total"]) for b in rows] == [
+            (batch.id, "in_progress", CHAT, 40)]
+        assert "in_progress" in _rendered(top.snapshot())
         cancelling = await client.batches.cancel(batch.id)
         assert cancelling.status == "cancelling" and cancelling.cancelling_at is not None
         end = (await finished(client, batch.id))[-1]
@@ -159,6 +170,12 @@ async def test_invalid_lines_fail_the_batch_and_cancel_ends_it(llama_ckpt: Path,
         assert sorted(x["custom_id"] for x in [*outs, *errors]) == sorted(x["custom_id"] for x in lines)
         with pytest.raises(openai.ConflictError):
             await client.batches.cancel(failed.id)
+
+
+def _rendered(snap: dict[str, Any]) -> str:
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(render(snap))
+    return console.export_text()
 
 
 async def _status(client: openai.AsyncOpenAI, batch_id: str, status: str) -> bool:

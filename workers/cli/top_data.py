@@ -13,7 +13,8 @@ A snapshot:
                   "kv_usage" (the share of the KV cache's blocks in use), "updated_ms",
                   "tokens_per_s" (None: not known yet)}],
      "streams": [{"name", "length", "groups": [{"name", "consumers", "pending", "lag" (None: unknown)}]}],
-     "traces": [{"worker", "at_ms", "step", "total_s", "breakdown": {"schedule_s": ..., ...}}]}  # newest first
+     "traces": [{"worker", "at_ms", "step", "total_s", "breakdown": {"schedule_s": ..., ...}}],  # newest first
+     "batches": [{"id", "status", "endpoint", "total", "completed", "failed"}]}  # running (Batch API)
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from typing import Any
 from clients.heartbeats import MAX_LISTED
 from clients.protocol import Names
 from clients.streams import parse_registry
+from workers.gateway.openai.batch_store import active_batches_key
+from workers.gateway.openai.file_store import keyed
 
 # The heartbeat field holding the worker's cumulative count of generated tokens (tokens/s is its rate).
 TOKENS_FIELD = "generation_tokens"
@@ -98,6 +101,19 @@ def trace_row(fields: dict[Any, Any]) -> dict[str, Any] | None:
             "breakdown": breakdown if isinstance(breakdown, dict) else {}}
 
 
+def batch_rows(batches: list[str], replies: list[Any], active: set[str]) -> list[dict[str, Any]]:
+    """The Batch API's running batches: (HMGET status obj, HLEN out, HLEN err) per batch."""
+    rows = []
+    for k, batch_id in enumerate(batches):
+        fields, completed, failed = (_check(r) for r in replies[3 * k:3 * k + 3])
+        if batch_id not in active or not fields or fields[0] is None:
+            continue
+        fixed = json.loads(fields[1])
+        rows.append({"id": batch_id, "status": _text(fields[0]), "endpoint": fixed["endpoint"],
+                     "total": fixed["total"], "completed": completed, "failed": failed})
+    return rows
+
+
 def _check(reply: Any) -> Any:
     if isinstance(reply, Exception):
         raise reply
@@ -118,6 +134,7 @@ class Gatherer:
         self._known: list[str] = []  # the heartbeat set's members at the previous refresh
         self._streams: list[str] = list(names.request_streams)  # as of the previous refresh
         self._own: set[str] = set()  # of those, the workers' own streams
+        self._batches: list[str] = []  # the running batches at the previous refresh
 
     def _learn_streams(self, registry: list[Any], owners: list[Any]) -> None:
         own = [self.names.worker_requests(_text(w)) for w in owners]
@@ -138,9 +155,18 @@ class Gatherer:
         pipe.xrevrange(names.traces, count=self.slow_steps)
         for worker in known:
             pipe.hgetall(names.worker(worker))
+        batches = list(self._batches)  # as the streams: the ones the previous refresh found
+        for batch_id in batches:
+            pipe.hmget(keyed(names, "batch", batch_id), "status", "obj")
+            pipe.hlen(keyed(names, "batch-out", batch_id))
+            pipe.hlen(keyed(names, "batch-err", batch_id))
+        pipe.smembers(active_batches_key(names))
         pipe.zrange(names.streams, 0, -1, withscores=True)
         pipe.zrange(names.worker_streams, 0, -1)
-        *replies, registry, owners = pipe.execute(raise_on_error=False)
+        *replies, active, registry, owners = pipe.execute(raise_on_error=False)
+        self._batches = sorted(_text(b) for b in _check(active))
+        batch_replies = replies[len(replies) - 3 * len(batches):]
+        replies = replies[:len(replies) - 3 * len(batches)]
         self._learn_streams(_check(registry), _check(owners))
         members = [_text(m) for m in _check(replies[0])]
         at = 1 + 2 * len(streams)
@@ -162,7 +188,8 @@ class Gatherer:
         traces = [row for _, fields in _check(replies[at + 1]) if (row := trace_row(fields)) is not None]
         return {"redis": self.label, "time_ms": int(time.time() * 1000), "workers": workers,
                 "streams": stream_rows, "dead": _check(replies[at]), "dead_stream": names.dead,
-                "traces": traces, "traces_stream": names.traces}
+                "traces": traces, "traces_stream": names.traces,
+                "batches": batch_rows(batches, batch_replies, set(self._batches))}
 
     def _hashes(self, workers: list[str]) -> dict[str, Any]:
         """Stats hashes of workers that joined since the previous refresh (a second round trip)."""

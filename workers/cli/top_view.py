@@ -105,6 +105,17 @@ def traces_table(snap: dict[str, Any]) -> Table:
     return table
 
 
+def batches_table(snap: dict[str, Any]) -> Table:
+    batches = snap.get("batches", [])
+    table = _table(f"Batches running ({len(batches)})", "BATCH", "STATUS", "ENDPOINT", "DONE", "FAILED", "TOTAL",
+                   right=("DONE", "FAILED", "TOTAL"))
+    for b in batches:
+        table.add_row(b["id"], b["status"], b["endpoint"], str(b["completed"]), str(b["failed"]), str(b["total"]))
+    if not batches:
+        table.add_row(Text("none", style="dim"), "", "", "", "", "")
+    return table
+
+
 def header(snap: dict[str, Any]) -> Text:
     now = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(snap["time_ms"] / 1000))
     line = Text("streamer top", style="bold")
@@ -118,4 +129,5 @@ def header(snap: dict[str, Any]) -> Text:
 
 
 def render(snap: dict[str, Any]) -> RenderableType:
-    return Group(header(snap), "", workers_table(snap), "", streams_table(snap), "", traces_table(snap))
+    return Group(header(snap), "", workers_table(snap), "", streams_table(snap), "", batches_table(snap), "",
+                 traces_table(snap))

@@ -47,6 +47,11 @@ return 0
 """
 
 
+def active_batches_key(names: Names) -> str:
+    """The set of batches not finished yet (the runners' work list; `streamer top` shows them)."""
+    return f"{names.shared}:batches:active"
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -65,7 +70,7 @@ class BatchStore:
 
     @property
     def active_key(self) -> str:
-        return f"{self.names.shared}:batches:active"
+        return active_batches_key(self.names)
 
     # --- creating and reading ------------------------------------------------------------------------
 
