@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -226,3 +227,21 @@ async def test_a_batch_survives_gateway_worker_and_redis_restarts(llama_ckpt: Pa
 
 async def _done_at_least(client: openai.AsyncOpenAI, batch_id: str, count: int) -> bool:
     return (await client.batches.retrieve(batch_id)).request_counts.completed >= count
+
+
+@pytest.mark.anyio
+async def test_the_docs_example_runs_as_written(llama_ckpt: Path, redis_url: str) -> None:
+    """docs/openai.md's Batch API example, with only the gateway's address changed."""
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "openai.md").read_text()
+    at = docs.index("## Batch API")
+    start = docs.index("```python\n", at) + len("```python\n")
+    code = docs[start:docs.index("```\n", start)]
+    async with running_worker(llama_ckpt, redis_url), running_gateway(config(redis_url)) as gw:
+        code = code.replace("http://127.0.0.1:8000/v1", gw.url + "v1")
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, err.decode()
+    printed = out.decode()  # the statuses it polled, then each answer after its custom_id (random text)
+    assert "completed BatchRequestCounts(completed=3, failed=0, total=3)" in printed
+    assert all(f"\nq{i} " in printed for i in range(3))
