@@ -7,6 +7,7 @@ import asyncio
 import io
 import json
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -245,3 +246,28 @@ async def test_the_docs_example_runs_as_written(llama_ckpt: Path, redis_url: str
     printed = out.decode()  # the statuses it polled, then each answer after its custom_id (random text)
     assert "completed BatchRequestCounts(completed=3, failed=0, total=3)" in printed
     assert all(f"\nq{i} " in printed for i in range(3))
+
+
+@pytest.mark.anyio
+async def test_a_batch_past_its_window_ends_expired_with_what_finished(llama_ckpt: Path, redis_url: str) -> None:
+    model = str(llama_ckpt)
+    lines = [*chat_lines(model, 2, max_tokens=4), *chat_lines(model, 40, max_tokens=400)[2:]]
+    async with running_worker(llama_ckpt, redis_url), running_gateway(config(redis_url)) as gw, sdk(gw) as client:
+        up = await client.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+        batch = await client.batches.create(input_file_id=up.id, endpoint=CHAT, completion_window="24h")
+        await until(lambda: _done_at_least(client, batch.id, 2), timeout=60)
+        # The window ends now: its end time in Redis moved to the past (as 24 h later would).
+        r = aioredis.Redis.from_url(redis_url)
+        try:
+            key = f"{NAMES.prefix}:batch:{batch.id}"
+            fixed = json.loads(await r.hget(key, "obj"))
+            await r.hset(key, "obj", json.dumps({**fixed, "expires_at": int(time.time()) - 1}))
+        finally:
+            await r.aclose()
+        end = (await finished(client, batch.id))[-1]
+        outs = await output(client, end.output_file_id)
+        errors = await output(client, end.error_file_id)
+    assert end.status == "expired" and end.expired_at is not None
+    assert {"req-0", "req-1"} <= {x["custom_id"] for x in outs}
+    assert all(e["error"]["code"] == "batch_expired" for e in errors) and len(outs) + len(errors) == 40
+    assert end.request_counts.completed == len(outs) and end.request_counts.failed == len(errors)

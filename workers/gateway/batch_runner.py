@@ -128,7 +128,11 @@ class BatchRunner:
     # --- pushing -------------------------------------------------------------------------------------
 
     async def _push_more(self, batch_id: str, h: _Held, pushed: int, running: int, tenant: str) -> int:
-        while pushed < len(h.lines) and running < WINDOW:
+        window = WINDOW
+        limits = self.gw.config.tenants.get(tenant)
+        if limits is not None and limits.max_concurrent > 0:  # half its seats stay for its live requests
+            window = max(1, min(WINDOW, limits.max_concurrent // 2))
+        while pushed < len(h.lines) and running < window:
             for job in h.lines[pushed]["jobs"]:
                 if not await self._push(job, tenant):
                     return pushed  # the tenant is at its limit: the rest waits for the next step
@@ -167,8 +171,7 @@ class BatchRunner:
             ends = [last[job["id"]][0] for job in line["jobs"]]
             if all(e is not None and e.get("type") in ("done", "error") for e in ends):
                 aborted = any(e is not None and e.get("finish_reason") == "abort" for e in ends)
-                if winding and aborted:  # stopped by the cancel: it ends as the batch's cancel says
-                    still.append(i)
+                if winding and aborted:  # stopped by the batch's cancel: _finalize lists it as such
                     continue
                 await self._record(batch_id, h, line)
                 continue

@@ -59,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queued-jobs", type=int, default=d.max_queued_jobs,
                         help="OpenAI API requests get 429 + Retry-After while the request streams hold this "
                              "many jobs (waiting or running; 0: no bound)")
+    parser.add_argument("--max-file-bytes", type=int, default=d.max_file_bytes,
+                        help="largest file uploaded to /v1/files for the Batch API (kept in Redis; larger: 413)")
     parser.add_argument("--send-queue-bytes", type=int, default=d.send_queue_bytes,
                         help="per-connection bound on unsent frames; a slower reader is closed (code 4008)")
     parser.add_argument("--cancel-grace", type=float, default=d.cancel_grace_s,
@@ -90,7 +92,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          allowed_origins=tuple(args.allowed_origin or ()),
                          max_frame_bytes=args.max_frame_bytes, max_inflight=args.max_inflight,
                          max_prompt_tokens=args.max_prompt_tokens, max_connections=args.max_connections,
-                         max_queued_jobs=args.max_queued_jobs,
+                         max_queued_jobs=args.max_queued_jobs, max_file_bytes=args.max_file_bytes,
                          send_queue_bytes=args.send_queue_bytes, cancel_grace_s=args.cancel_grace,
                          request_ttl_s=args.request_ttl, header_timeout_s=args.header_timeout,
                          web_root=args.web_root)
