@@ -88,6 +88,15 @@ def _launch_every_kernel() -> None:
                                         lens, 0.1, 2, window=32, softcap=30.0)
             kv = torch.empty(tokens, kv_heads, head_size, dtype=dtype)
             reshape_and_cache(kv, kv, kc, vc, torch.zeros(tokens, dtype=torch.long))
+            if head_size == 128:  # an fp8 (e4m3) cache, read and written with its k/v scales
+                k8 = torch.empty(16, 16, kv_heads, head_size, dtype=torch.float8_e4m3fn)
+                v8 = torch.empty_like(k8)
+                for splits in (1, 2):
+                    paged_decode_attention(q, k8, v8, tables, lens, 0.1, 60, num_splits=splits, k_scale=0.5,
+                                           v_scale=0.25)
+                paged_prefill_attention(torch.empty(tokens, heads, head_size, dtype=dtype), k8, v8, tables, qsl,
+                                        lens, 0.1, 2, k_scale=0.5, v_scale=0.25)
+                reshape_and_cache(kv, kv, k8, v8, torch.zeros(tokens, dtype=torch.long), 0.5, 0.25)
             rotary_embedding(torch.zeros(tokens, dtype=torch.long), torch.empty(tokens, heads * head_size, dtype=dtype),
                              torch.empty(tokens, kv_heads * head_size, dtype=dtype), torch.empty(8, head_size),
                              head_size)
