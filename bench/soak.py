@@ -127,7 +127,7 @@ def main() -> int:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     ref = ctx.Process(target=reference_process, args=(str(ckpt), prompts, hi, {
-        "num_kv_blocks": args.kv_blocks, "max_num_seqs": args.max_num_seqs, "device": "cpu"}, q))
+        "num_kv_blocks": args.kv_blocks, "max_num_seqs": args.max_num_seqs, "device": "cpu", "dtype": "float32"}, q))
     ref.start()
     print(f"computing the reference: greedy tokens of {len(prompts)} prompts with the offline engine", flush=True)
     refs = None

@@ -79,7 +79,9 @@ class System:
         a = self.args
         env = {**self.env, "OMP_NUM_THREADS": str(a.worker_threads)}
         self.workers[slot] = self._spawn(
-            ["worker", "--model", str(self.ckpt), "--redis", self.redis.url, "--device", "cpu",
+            # float32, as the reference: greedy tokens are exact only where the batch cannot change the
+            # arithmetic, and bfloat16 (the default where the CPU has it) rounds differently per batch.
+            ["worker", "--model", str(self.ckpt), "--redis", self.redis.url, "--device", "cpu", "--dtype", "float32",
              "--max-num-seqs", str(a.max_num_seqs), "--num-kv-blocks", str(a.kv_blocks),
              "--claim-idle", str(a.claim_idle), "--events-ttl", str(a.events_ttl), "--grace", "5",
              "--log-level", "WARNING"], f"worker-{slot}.log", env)
