@@ -125,3 +125,36 @@ def test_openai_model_names() -> None:
     assert split_model("org/model:v2:a1", bases) == ("org/model:v2", "a1")
     assert split_model("a1", bases) == ("a1", "a1")  # an adapter named alone (looked up in the registry)
     assert split_model("other:a1", bases) == ("other:a1", None)  # not a served base: an unknown model
+
+
+@pytest.mark.anyio
+async def test_openai_api_serves_adapters(llama_ckpt: Path, adapters: dict[str, Path], redis_url: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    import openai
+    from test_gateway import config
+
+    from streamer import LLM, SamplingParams
+    from streamer.lora import LoRARequest
+    from workers.gateway.server import running_gateway
+
+    _cli(capsys, "lora", "add", "a1", str(adapters["a1"]), "--redis", redis_url)
+    prompt = "The quick brown fox"
+    llm = LLM(str(llama_ckpt), dtype="float32", num_kv_blocks=128)
+    want = llm.generate([prompt, prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+                        lora_request=[LoRARequest("a1", str(adapters["a1"])), None])
+    want_a1, want_base = (o.outputs[0].text for o in want)
+    assert want_a1 != want_base
+    base = str(llama_ckpt)
+    async with running_worker(llama_ckpt, redis_url), running_gateway(config(redis_url)) as gw, \
+            openai.AsyncOpenAI(base_url=gw.url + "v1", api_key="none", max_retries=0, timeout=60) as client:
+        models = {m.id: m for m in (await client.models.list()).data}
+        assert set(models) == {base, "a1"}
+        assert models["a1"].root == str(adapters["a1"].resolve()) and models["a1"].parent == base
+        for model, text in ((f"{base}:a1", want_a1), ("a1", want_a1), (base, want_base)):
+            out = await client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0,
+                                                  extra_body={"ignore_eos": True})
+            assert out.choices[0].text == text and out.model == model, model
+        with pytest.raises(openai.NotFoundError, match="no LoRA adapter `nope` is registered"):
+            await client.completions.create(model=f"{base}:nope", prompt=prompt, max_tokens=2)
+        with pytest.raises(openai.NotFoundError, match="The model `nope` does not exist"):
+            await client.completions.create(model="nope", prompt=prompt, max_tokens=2)
