@@ -30,6 +30,12 @@ def done_event(request_id: str, seq: int, finish_reasons: list[str], usage: dict
             "usage": usage}
 
 
+def result_event(request_id: str, seq: int, result: dict[str, Any]) -> dict[str, Any]:
+    """The answer of a tokenize or detokenize job: a `done` event (every reader knows it ends the
+    request) holding the task's `result`."""
+    return {**done_event(request_id, seq, ["stop"], {"prompt_tokens": 0, "completion_tokens": 0}), "result": result}
+
+
 def error_event(request_id: str, seq: int, code: str, message: str) -> dict[str, Any]:
     return {"v": VERSION, "id": request_id, "seq": seq, "type": "error", "index": 0, "token_ids": [],
             "text": "", "code": code, "message": message}

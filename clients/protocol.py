@@ -23,8 +23,14 @@ VERSION = 1
 ENCODINGS = ("json", "msgpack")
 JOB_FIELDS = frozenset(
     {"v", "id", "prompt", "prompt_token_ids", "messages", "tools", "tool_choice", "params", "priority", "deadline",
-     "tenant", "session", "lora", "traceparent"}
+     "tenant", "session", "lora", "traceparent", "task", "options"}
 )
+# What a job asks of a worker: text generated (the default), or its prompt's tokens counted or decoded
+# (vLLM's /tokenize and /detokenize), answered with one `done` event holding a `result`.
+TASKS = ("generate", "tokenize", "detokenize")
+TASK_OPTIONS = {"generate": frozenset(), "detokenize": frozenset(),
+                "tokenize": frozenset({"add_special_tokens", "add_generation_prompt", "continue_final_message",
+                                       "return_token_strs"})}
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
 # https://www.w3.org/TR/trace-context/#traceparent-header (version 00, lower-case hex).
 TRACEPARENT_RE = re.compile(r"^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
@@ -63,6 +69,8 @@ class Job:
     session: str = ""  # calls of one conversation or agent ("": none): affinity and attained service
     lora: str = ""  # the registered LoRA adapter it runs under ("": the base model)
     traceparent: str = ""  # W3C trace context of the span that submitted it ("": not traced)
+    task: str = "generate"  # one of TASKS
+    options: dict[str, bool] = field(default_factory=dict)  # the task's switches (TASK_OPTIONS)
 
 
 def event_stream_id(seq: int) -> str:
@@ -308,7 +316,25 @@ def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
         if not isinstance(obj["traceparent"], str) or not TRACEPARENT_RE.match(obj["traceparent"]):
             raise bad("`traceparent` must be a W3C trace context: 00-<32 hex>-<16 hex>-<2 hex>")
         job.traceparent = obj["traceparent"]
+    _parse_task(obj, job, bad)
     return job
+
+
+def _parse_task(obj: dict[str, Any], job: Job, bad: Any) -> None:
+    task = obj.get("task", "generate")
+    if task not in TASKS:
+        raise bad(f"`task` must be one of {list(TASKS)}")
+    options = obj.get("options") or {}
+    if not isinstance(options, dict) or not all(isinstance(v, bool) for v in options.values()):
+        raise bad("`options` must be a map of booleans")
+    unknown = sorted(set(options) - TASK_OPTIONS[task])
+    if unknown:
+        raise bad(f"unknown option(s) {unknown} for task {task!r}; allowed: {sorted(TASK_OPTIONS[task])}")
+    if task == "tokenize" and job.prompt_token_ids is not None:
+        raise bad("a tokenize job takes `prompt` or `messages`")
+    if task == "detokenize" and job.prompt_token_ids is None:
+        raise bad("a detokenize job takes `prompt_token_ids`")
+    job.task, job.options = task, options
 
 
 def decode_job(fields: dict[Any, Any], limits: Limits = Limits()) -> Job:

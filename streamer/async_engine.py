@@ -181,6 +181,24 @@ class AsyncEngine:
         assert self._loop is not None
         return await self._loop.run_in_executor(self._tokenizing, self._prompts.chat, messages, tools)
 
+    async def tokenize(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
+                       tools: list[dict[str, Any]] | None = None, add_special_tokens: bool = True,
+                       add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+        """Token ids of a text, or of messages through the chat template, as vLLM's /tokenize counts
+        them: no length check (the caller compares with max_model_len). ValueError for messages
+        without a chat template."""
+        await self.start()
+        assert self._loop is not None
+        return await self._loop.run_in_executor(self._tokenizing, self._prompts.token_ids, prompt, messages, tools,
+                                                add_special_tokens, add_generation_prompt, continue_final_message)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """The text of token ids (special tokens kept, as vLLM's /detokenize); ValueError for an id
+        outside the vocabulary."""
+        await self.start()
+        assert self._loop is not None
+        return await self._loop.run_in_executor(self._tokenizing, self._prompts.text, token_ids)
+
     def chat_template(self) -> Any:
         """The checkpoint's chat template (a string, a dict of named ones, or None): what tells which
         format its tool calls come in (workers/worker/tool_parsers.py)."""

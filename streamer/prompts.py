@@ -57,6 +57,22 @@ class PromptProcessor:
         text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         return self._checked(TokenizedPrompt(self.tokenizer(text, add_special_tokens=False).input_ids))
 
+    def token_ids(self, prompt: str | None, messages: list[dict[str, Any]] | None, tools: list[dict[str, Any]] | None,
+                  add_special_tokens: bool, add_generation_prompt: bool, continue_final_message: bool) -> list[int]:
+        """A text's or a conversation's token ids, unchecked (AsyncEngine.tokenize)."""
+        if messages is None:
+            return list(self.tokenizer(prompt or "", add_special_tokens=add_special_tokens).input_ids)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; send a plain prompt")
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=continue_final_message, tokenize=False)
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def text(self, token_ids: list[int]) -> str:
+        if token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        return self.tokenizer.decode(token_ids)
+
     def _checked(self, prompt: TokenizedPrompt) -> TokenizedPrompt:
         if not prompt.token_ids:
             raise ValueError("prompt is empty")

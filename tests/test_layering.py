@@ -212,9 +212,9 @@ def test_async_engine_fits_the_workers_engine_seam() -> None:
     from workers.worker.engine import Engine
 
     methods = [n for n, v in vars(Engine).items() if inspect.isfunction(v) and not n.startswith("_")]
-    assert sorted(methods) == ["abort", "admission_capacity", "chat_template", "generate", "output_text",
-                              "prompt_progress", "render_chat", "sampling_defaults", "stats", "take_step_records",
-                              "token_texts"]
+    assert sorted(methods) == ["abort", "admission_capacity", "chat_template", "detokenize", "generate",
+                              "output_text", "prompt_progress", "render_chat", "sampling_defaults", "stats",
+                              "take_step_records", "token_texts", "tokenize"]
     for name in methods:
         want = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(Engine, name)).parameters.values()]
         have = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(AsyncEngine, name)).parameters.values()]

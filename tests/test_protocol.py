@@ -1,6 +1,7 @@
 """Wire format (clients/protocol.py): decoding of untrusted jobs, event ids, resume folding."""
 
 import json
+import re
 
 import msgpack
 import pytest
@@ -243,8 +244,8 @@ def test_pubsub_messages_and_event_entries_decode_in_either_encoding(encoding):
     assert decode_event({encoding.encode(): raw}) == decode_message(raw)
 
 
-ALLOWED = ("['deadline', 'id', 'lora', 'messages', 'params', 'priority', 'prompt', 'prompt_token_ids', 'session', "
-           "'tenant', 'tool_choice', 'tools', 'traceparent', 'v']")
+ALLOWED = ("['deadline', 'id', 'lora', 'messages', 'options', 'params', 'priority', 'prompt', 'prompt_token_ids', "
+           "'session', 'task', 'tenant', 'tool_choice', 'tools', 'traceparent', 'v']")
 CHAT = [{"role": "user", "content": "x"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 NAMED_F = {"type": "function", "function": {"name": "f"}}
@@ -463,3 +464,19 @@ def test_a_traceparent_must_be_a_w3c_trace_context(value: object) -> None:
         parse_job({"v": 1, "id": "t", "prompt": "x", "traceparent": value}, "json")
     good = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     assert parse_job({"v": 1, "id": "t", "prompt": "x", "traceparent": good}, "json").traceparent == good
+
+
+@pytest.mark.parametrize(("extra", "said"), [
+    ({"task": "translate"}, "`task` must be one of"),
+    ({"task": "tokenize", "options": {"add_special_tokens": "yes"}}, "map of booleans"),
+    ({"task": "tokenize", "options": {"echo": True}}, "unknown option(s) ['echo']"),
+    ({"options": {"add_special_tokens": True}}, "for task 'generate'"),
+    ({"task": "detokenize"}, "takes `prompt_token_ids`"),
+])
+def test_a_task_job_says_what_is_wrong_with_it(extra: dict, said: str) -> None:
+    with pytest.raises(ProtocolError, match=re.escape(said)):
+        parse_job({"v": 1, "id": "t", "prompt": "x", **extra}, "json")
+    tokenize = parse_job({"v": 1, "id": "t", "prompt": "x", "task": "tokenize",
+                          "options": {"return_token_strs": True}}, "json")
+    assert (tokenize.task, tokenize.options) == ("tokenize", {"return_token_strs": True})
+    assert parse_job({"v": 1, "id": "t", "prompt": "x"}, "json").task == "generate"

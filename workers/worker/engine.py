@@ -36,6 +36,14 @@ class Engine(Protocol):
         (ValueError when it has none, or when the result is too long for the model)."""
         ...
 
+    async def tokenize(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
+                       tools: list[dict[str, Any]] | None = None, add_special_tokens: bool = True,
+                       add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+        """Token ids as /tokenize counts them (workers/worker/tasks.py)."""
+        ...
+
+    async def detokenize(self, token_ids: list[int]) -> str: ...
+
     def chat_template(self) -> Any:
         """The checkpoint's chat template (a string, a dict of named ones, or None)."""
         ...

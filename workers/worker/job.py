@@ -30,6 +30,7 @@ from workers.worker.config import WorkerConfig
 from workers.worker.engine import Engine
 from workers.worker.metrics import WorkerMetrics
 from workers.worker.state import Delivery, RunningJob, WorkerState
+from workers.worker.tasks import answer_task
 from workers.worker.tool_calls import ToolCalls, family, sampling_params
 
 log = logging.getLogger("streamer.worker")
@@ -102,6 +103,9 @@ class JobRunner:
             return run
         if d.suspect:
             log.warning("request %s: its worker died while it entered the engine; running it alone", job.id)
+        if job.task != "generate":
+            await answer_task(self.engine, self.answers, run)
+            return run
         try:
             # The checkpoint's defaults under what the job sets, with what its tool_choice constrains.
             params = SamplingParams.from_dict({**self.engine.sampling_defaults(), **sampling_params(job)})

@@ -35,6 +35,7 @@ from workers.gateway.openai.lora_models import adapter_models, split_model
 from workers.gateway.openai.request import OpenAIError, OpenAIRequest, bad, parse_chat, parse_completion
 from workers.gateway.openai.response import Assembler, StreamMeta
 from workers.gateway.openai.stream import Position, sse_events, wants_resumable
+from workers.gateway.openai.tokenize import TokenizeRoutes
 from workers.gateway.resume import begin_resume
 from workers.gateway.routes import key_ok, request_token
 from workers.gateway.submit import submit_jobs
@@ -69,13 +70,15 @@ class OpenAIRoutes:
         # The Batch API (files.py, batches.py); the gateway's batch runner drives the batches.
         self.files = FileRoutes(gateway, RedisFileStore(gateway.hub.redis, gateway.hub.names))
         self.batches = BatchRoutes(gateway, self.files, self._check_model)
+        self.tokens = TokenizeRoutes(gateway, self._check_model, self._json_body)  # /tokenize, /detokenize
 
     def routes(self) -> list[Route]:
         return [Route("/v1/models", self._guard(self.models), methods=["GET"]),
                 Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
                 Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
                 Route("/v1/streams/{request_id:path}", self._guard(self.resume), methods=["GET"]),
-                *self.files.routes(self._guard), *self.batches.routes(self._guard)]
+                *self.files.routes(self._guard), *self.batches.routes(self._guard),
+                *self.tokens.routes(self._guard)]
 
     def _guard(self, handler: Any) -> Any:
         """API key first; every failure answered in OpenAI's error shape."""
