@@ -34,7 +34,12 @@ from workers.gateway.tenants import RateLimited
 
 log = logging.getLogger("streamer.gateway")
 
-WINDOW = 64  # lines of one batch pushed and not finished at a time: the queue never fills with them
+WINDOW = 64  # most lines of one batch pushed and not finished at a time: the queue never fills with them
+# Batches together keep at most this share of the live workers' seats (max_num_seqs) busy: the rest
+# stay free, so an interactive job starts at its next step without preempting (and recomputing) batch
+# work, and steps stay the size interactive traffic makes them.
+SEAT_SHARE = 0.5
+SEATS_EVERY_S = 2.0  # how often the live workers' seats are read again
 PERIOD_S = 0.25  # how often each held batch is advanced
 LEASE_MS = 5000  # a dead gateway's batches are taken over within this
 WIND_DOWN_S = 10.0  # a cancelled or expired batch waits this long for its lines' jobs to stop
@@ -64,6 +69,8 @@ class BatchRunner:
         self.files = RedisFileStore(gw.hub.redis, gw.hub.names)
         self.holder = uuid.uuid4().hex  # this process, as a lease holder
         self.held: dict[str, _Held] = {}
+        self._seats: tuple[float, int] = (float("-inf"), 0)  # (when read, live workers' seats)
+        self.window = WINDOW  # lines each batch may keep in flight now (_window)
 
     async def run(self) -> None:
         while True:
@@ -77,8 +84,19 @@ class BatchRunner:
                 self.held.clear()
             await asyncio.sleep(PERIOD_S)
 
+    async def _window(self, batches: int) -> int:
+        """Lines each batch may keep in flight: its part of SEAT_SHARE of the live seats."""
+        when, seats = self._seats
+        if time.monotonic() - when > SEATS_EVERY_S:
+            workers = await self.gw.hub.workers()
+            seats = sum(max(1, int(w.get("max_num_seqs") or 1)) for w in workers)
+            self._seats = (time.monotonic(), seats)
+        return max(1, min(WINDOW, int(seats * SEAT_SHARE) // max(1, batches)))
+
     async def tick(self) -> None:
-        for batch_id in await self.store.active():
+        active = await self.store.active()
+        self.window = await self._window(len(active)) if active else WINDOW
+        for batch_id in active:
             if await self.store.lease(batch_id, self.holder, LEASE_MS):
                 await self.step(batch_id)
             else:
@@ -128,10 +146,10 @@ class BatchRunner:
     # --- pushing -------------------------------------------------------------------------------------
 
     async def _push_more(self, batch_id: str, h: _Held, pushed: int, running: int, tenant: str) -> int:
-        window = WINDOW
+        window = self.window
         limits = self.gw.config.tenants.get(tenant)
         if limits is not None and limits.max_concurrent > 0:  # half its seats stay for its live requests
-            window = max(1, min(WINDOW, limits.max_concurrent // 2))
+            window = max(1, min(window, limits.max_concurrent // 2))
         while pushed < len(h.lines) and running < window:
             for job in h.lines[pushed]["jobs"]:
                 if not await self._push(job, tenant):

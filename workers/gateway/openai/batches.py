@@ -49,6 +49,9 @@ class BatchRoutes:
         return self.gw.config.tenant_of(request_token(request))
 
     async def create(self, request: Request) -> Response:
+        declared, limit = request.headers.get("content-length", ""), self.gw.config.max_frame_bytes
+        if declared.isdigit() and int(declared) > limit:  # the lines are in the file, not in this body
+            raise OpenAIError(413, f"the request body is over {limit} bytes", None, "too_large")
         try:
             body = json.loads(await request.body())
         except ValueError as e:
