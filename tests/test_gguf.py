@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gguf_files import write_gguf
+from gguf_files import quantize_q4_k, quantize_q6_k, write_gguf
 from kernel_testing import rel_err
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
@@ -26,6 +26,8 @@ SPECS = {
     "qwen2": TinyModelSpec(arch="qwen2", tie_word_embeddings=True),
     # transformers reads no head size from a Qwen3 GGUF (it takes Qwen3's 128): so is this one's.
     "qwen3": TinyModelSpec(arch="qwen3", extra={"head_dim": 128}),
+    # K-quants pack 256 values a block: every weight row a multiple of that.
+    "llama256": TinyModelSpec(arch="llama", hidden_size=256, intermediate_size=512),
 }
 BUDGETS = (10, 6, 8)
 
@@ -48,7 +50,7 @@ def _convert(tmp_path: Path, arch: str, weight_type: str, monkeypatch: pytest.Mo
     return ckpt, resolve_model(str(gguf), progress=lambda _msg: None)
 
 
-@pytest.mark.parametrize("arch", sorted(SPECS))
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_f32_gguf_equals_transformers_on_the_original(arch: str, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     ckpt, model_dir = _convert(tmp_path, arch, "F32", monkeypatch)
@@ -73,6 +75,8 @@ def test_f32_gguf_equals_transformers_on_the_original(arch: str, tmp_path: Path,
 @pytest.mark.parametrize("arch, weight_type, dtype, tolerance", [
     ("qwen2", "F16", torch.float16, 1e-3),  # half precision, stored as it is
     ("llama", "Q8_0", torch.bfloat16, 1e-2),  # 8-bit blocks de-quantized
+    # The Q4_K_M mix (Q4_K, Q6_K for output, attn_v, ffn_down): 4-bit blocks are ~8% off the original
+    ("llama256", "Q4_K_M", torch.bfloat16, 0.1),
 ])
 def test_quantized_gguf_runs_its_own_weights(arch: str, weight_type: str, dtype: torch.dtype, tolerance: float,
                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -88,3 +92,19 @@ def test_missing_gguf_file_says_what_to_do(tmp_path: Path) -> None:
         resolve_model(str(tmp_path / "nope.gguf"))
     assert gguf_model_dir(write_gguf(build_checkpoint(tmp_path / "l", SPECS["llama"]), tmp_path / "a.gguf"),
                           tmp_path).parent == tmp_path / "models"
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 256), (8, 512), (3, 1024)])
+def test_k_quant_encoders_write_what_gguf_reads(rows: int, cols: int) -> None:
+    """The tests' Q4_K and Q6_K encoders against gguf-py's de-quantizer (the layout transformers reads):
+    within the error of 4-bit (15 steps per sub-block) and 6-bit (63 steps) codes of random rows."""
+    import gguf
+    import numpy as np
+
+    x = (np.random.default_rng(rows * cols).standard_normal((rows, cols)) * 0.05).astype(np.float32)
+    for encode, qtype, bound in ((quantize_q4_k, gguf.GGMLQuantizationType.Q4_K, 0.1),
+                                 (quantize_q6_k, gguf.GGMLQuantizationType.Q6_K, 0.03)):
+        blocks = encode(x)
+        assert blocks.shape == (rows, cols // 256 * {"Q4_K": 144, "Q6_K": 210}[qtype.name])
+        back = gguf.quants.dequantize(blocks, qtype)
+        assert np.linalg.norm(back - x) / np.linalg.norm(x) < bound, qtype.name
