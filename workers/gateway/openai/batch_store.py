@@ -157,6 +157,8 @@ class BatchStore:
             for kind in ("batch-out", "batch-err", "batch-lines"):
                 if ttl_ms and ttl_ms > 0:
                     pipe.pexpire(self.key(kind, batch_id), ttl_ms)
+                else:  # the batch object expired (no gateway ran for its whole retention): nothing reads these
+                    pipe.delete(self.key(kind, batch_id))
             pipe.delete(self.key("batch-lease", batch_id))
             await pipe.execute()
 
