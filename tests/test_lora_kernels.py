@@ -24,8 +24,13 @@ def _case(n: int, n_in: int, n_out: int, slots: int, rank: int, dtype: torch.dty
 
 def test_segments_group_rows_by_slot() -> None:
     seg = Segments.from_slots(torch.tensor([2, -1, 0, 2, -1, 0, 1], dtype=torch.int32))
-    assert seg.rows.tolist() == [2, 5, 6, 0, 3]  # base rows left out, stable within a slot
-    assert seg.slots == [0, 1, 2] and seg.bounds == [0, 2, 3, 5]
+    # One block of 2 rows per slot, base rows left out, batch order within a slot; slot 1's block
+    # is padded (row 0, zeroed by the pad mask).
+    assert (seg.num_slots, seg.length, seg.count) == (3, 2, 5)
+    assert seg.index.tolist() == [2, 5, 6, 0, 0, 3]
+    assert seg.pad is not None and seg.pad.flatten().tolist() == [1, 1, 1, 0, 1, 1]
+    even = Segments.from_slots(torch.tensor([1, 0, 0, 1], dtype=torch.int32))
+    assert even.index.tolist() == [1, 2, 0, 3] and even.pad is None  # nothing padded: no mask
     assert Segments.from_slots(torch.full((4,), -1, dtype=torch.int32)).empty
 
 
@@ -33,7 +38,8 @@ def test_segments_group_rows_by_slot() -> None:
 def test_segmented_equals_reference(dtype: torch.dtype) -> None:
     x, a, b, slots, y = _case(37, 48, 80, 4, 8, dtype, "cpu")
     expected = y.float() + lora_delta_ref(x, slots, a, b)
-    out = lora_add_segmented(x, y.clone(), a, b, Segments.from_slots(slots))
+    seg = Segments.from_slots(slots, dtype=dtype)
+    out = lora_add_segmented(x, y.clone(), a.transpose(1, 2), b.transpose(1, 2), seg)
     assert rel_err(out, expected) < TOL[dtype]
     base = slots < 0
     assert torch.equal(out[base], y[base])  # base rows untouched, bit for bit

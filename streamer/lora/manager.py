@@ -28,7 +28,6 @@ class LoRAManager:
         self.device = device
         # Read adapters kept in host memory (a slot evicted and wanted again is copied, not re-read).
         self.max_cpu_loras = max_cpu_loras or 2 * max_loras
-        self.batch = LoRABatch(use_triton=device.type == "cuda")
         self.slots: OrderedDict[LoRARequest, int] = OrderedDict()  # least recently used first
         self.read: OrderedDict[LoRARequest, LoRAAdapter] = OrderedDict()
         self.stacks: dict[tuple[int, str], LoRAStack] | None = None  # built on the first adapter used
@@ -37,6 +36,8 @@ class LoRAManager:
                         for i, layer in enumerate(model.layers) for owner in (layer.self_attn, layer.mlp)
                         for name in MODULES if isinstance(module := getattr(owner, name, None), nn.Module)
                         and hasattr(module, "weight")]
+        dtype = self.modules[0][3].dtype if self.modules else torch.float32  # the stacks' and activations'
+        self.batch = LoRABatch(use_triton=device.type == "cuda", dtype=dtype)
         self.num_loads = 0  # adapters copied into a slot (each eviction makes one more)
 
     # ---- adapters --------------------------------------------------------------------------------
