@@ -110,3 +110,32 @@ def test_the_lag_keda_reads_is_the_backlog_top_shows(redis_url: str) -> None:
     group = next(g for g in stream["groups"] if g["name"] == names.group)
     assert keda_lag == group["lag"] == 5 and group["pending"] == 2 and stream["length"] == 7
     client.close()
+
+
+def test_the_lag_keda_reads_is_the_backlog_top_shows_on_lanes_tenants_and_routed_streams(redis_url: str) -> None:
+    """Lanes, tenant queues and a worker's own (routed) stream each hold part of the backlog: KEDA's
+    redis-streams trigger reads one stream's lag, and for each the number equals `streamer top`'s; their
+    sum is what the Prometheus trigger on streamer_queue_lag scales on (docs/running.md#kubernetes)."""
+    client = redis.Redis.from_url(redis_url)
+    names = Names(prefix="k8s-lanes", lanes=(-5,))
+    lane, rank = names.lane_for(-10)
+    streams = {names.requests: (4, 1), lane: (3, 0), names.tenant_stream(lane, "acme"): (5, 2),
+               names.worker_requests("w-1"): (2, 1)}  # stream -> (jobs pushed, read by a worker)
+    for stream, (pushed, read) in streams.items():
+        client.xgroup_create(stream, names.group, id="0", mkstream=True)
+        for i in range(pushed):
+            client.xadd(stream, {"json": f'{{"id": "{stream}-{i}", "prompt": "hi"}}'})
+        if read:
+            client.xreadgroup(names.group, "w-1", {stream: ">"}, count=read)
+    client.zadd(names.streams, {names.requests: 0, lane: rank, names.tenant_stream(lane, "acme"): rank})
+    client.zadd(names.worker_streams, {"w-1": 0})
+    gatherer = Gatherer(client, names, redis_url)
+    gatherer.snapshot()  # as `streamer top` refreshes: the streams one refresh finds, the next one reads
+    snapshot = gatherer.snapshot()
+    top = {s["name"]: next(g for g in s["groups"] if g["name"] == names.group) for s in snapshot["streams"]}
+    for stream, (pushed, read) in streams.items():
+        keda_lag = next(g["lag"] for g in client.xinfo_groups(stream) if g["name"].decode() == names.group)
+        assert keda_lag == top[stream]["lag"] == pushed - read, stream
+        assert top[stream]["pending"] == read, stream
+    assert sum(top[s]["lag"] for s in streams) == sum(p - r for p, r in streams.values()) == 10
+    client.close()

@@ -85,3 +85,35 @@ async def test_gateway_accepted_frame_says_how_many_workers_are_alive(llama_ckpt
             while frames[-1].get("id") != "served":
                 frames.append(await recv(ws, timeout=30))
             assert {"type": "accepted", "id": "served", "workers": 1} in frames
+
+
+@pytest.mark.anyio
+async def test_scale_from_zero_a_job_queued_through_the_gateway_is_served_whole_by_a_worker_started_later(
+        llama_ckpt: Path, redis_url: str) -> None:
+    """Kubernetes with minReplicaCount 0 (deploy/kubernetes/scaledobjects.yaml): a job pushed while no
+    worker runs is told it is queued (`workers: 0`), waits in Redis, and is served in full by the
+    worker KEDA starts later, the stream going on on the same socket."""
+    from redis_worker_helpers import offline_tokens, wait_for
+    from test_gateway import config, recv, send
+    from websockets.asyncio.client import connect
+
+    from streamer import SamplingParams
+    from workers.gateway.server import running_gateway
+
+    params = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    r = aioredis.Redis.from_url(redis_url)
+    await r.delete(NAMES.heartbeats)
+    await r.aclose()
+    async with running_gateway(config(redis_url)) as gw, connect(gw.ws_url) as ws:
+        await wait_for(lambda: gw.workers_alive == 0, 10)
+        await send(ws, {"type": "generate", "id": "from-zero", "prompt": "scale me", "params": params})
+        assert await recv(ws) == {"type": "accepted", "id": "from-zero", "workers": 0}
+        with pytest.raises(TimeoutError):  # queued, not refused and not dropped: nothing comes meanwhile
+            await recv(ws, timeout=2)
+        async with running_worker(llama_ckpt, redis_url):
+            events = [await recv(ws, timeout=60)]
+            while events[-1]["type"] not in ("done", "error"):
+                events.append(await recv(ws, timeout=30))
+    tokens = [t for e in events if e["type"] == "token" for t in e["token_ids"]]
+    assert [e["seq"] for e in events] == list(range(len(events)))
+    assert tokens == offline_tokens(llama_ckpt, ["scale me"], SamplingParams(**params))[0]
