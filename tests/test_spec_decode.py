@@ -4,6 +4,7 @@ without drafts (the rejection rule against the sampler's own distribution); the 
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -329,3 +330,36 @@ def test_draft_model_config_is_checked(llama_ckpt, tmp_path):
     wide = build_checkpoint(tmp_path / "wide", TinyModelSpec(arch="llama", vocab_size=640), seed=5)
     with pytest.raises(ConfigError, match="vocabulary"):
         LLM(str(llama_ckpt), dtype="float32", num_kv_blocks=64, speculative_config=draft(wide))
+
+
+@pytest.mark.anyio
+async def test_multi_token_deltas_read_whole_by_the_openai_sdk_and_a_plain_sse_reader(llama_ckpt, redis_url):
+    """With drafts kept, one step sends several tokens in one SSE message: the official SDK and a
+    plain line-by-line reader both get the whole answer (as vLLM's benchmark client reads it: the
+    `text` of each `data:` line), in fewer messages than tokens."""
+    import httpx
+    import openai
+    from redis_worker_helpers import running_worker
+    from test_gateway import config
+
+    from workers.gateway.server import running_gateway
+
+    prompt = looping_prompts(512)[-1]
+    body = {"model": str(llama_ckpt), "prompt": prompt, "max_tokens": MAX, "temperature": 0, "ignore_eos": True}
+    async with running_worker(llama_ckpt, redis_url, engine={"speculative_config": NGRAM}), \
+            running_gateway(config(redis_url)) as gw:
+        sdk = openai.AsyncOpenAI(base_url=gw.url + "v1", api_key="none")
+        sdk_body = {k: v for k, v in body.items() if k != "ignore_eos"} | {"extra_body": {"ignore_eos": True}}
+        whole = await sdk.completions.create(**sdk_body)
+        streamed = await sdk.completions.create(**sdk_body, stream=True)
+        sdk_text = "".join([chunk.choices[0].text async for chunk in streamed if chunk.choices])
+        texts = []
+        async with httpx.AsyncClient(base_url=gw.url, timeout=60) as http, \
+                http.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    texts.append(json.loads(line[6:])["choices"][0]["text"])
+        await sdk.close()
+    assert whole.usage.completion_tokens == MAX
+    assert sdk_text == "".join(texts) == whole.choices[0].text
+    assert len([t for t in texts if t]) < MAX  # several tokens in at least one message
