@@ -23,6 +23,7 @@ from test_gateway import config
 from clients.names import BATCH_LANE_RANK
 from workers.cli.top_data import Gatherer
 from workers.cli.top_view import render
+from workers.gateway.keys_file import TenantLimits
 from workers.gateway.server import running_gateway
 from workers.redis_server import RedisServer
 
@@ -44,7 +45,7 @@ def jsonl(lines: list[dict[str, Any]]) -> bytes:
     return "".join(json.dumps(line) + "\n" for line in lines).encode()
 
 
-async def finished(client: openai.AsyncOpenAI, batch_id: str, timeout: float = 120.0) -> list[Any]:
+async def finished(client: openai.AsyncOpenAI, batch_id: str, timeout: float = 300.0) -> list[Any]:
     """Every state of the batch seen while polling it to its end (the last one is the end)."""
     seen = []
     loop = asyncio.get_running_loop()
@@ -205,10 +206,10 @@ async def test_a_batch_survives_gateway_worker_and_redis_restarts(llama_ckpt: Pa
                 interrupted = await client.batches.create(input_file_id=up.id, endpoint=CHAT, completion_window="24h")
                 # Any gateway answers for a batch another created.
                 assert (await other_client.batches.retrieve(interrupted.id)).id == interrupted.id
-                await until(lambda: _done_at_least(client, interrupted.id, 1), timeout=120, interval=0.02)
+                await until(lambda: _done_at_least(client, interrupted.id, 1), timeout=240, interval=0.02)
                 await gw.close()  # the gateway that drove it goes away mid-batch
                 before = (await other_client.batches.retrieve(interrupted.id)).request_counts.completed
-                await until(lambda: _done_at_least(other_client, interrupted.id, before + 1), timeout=60,
+                await until(lambda: _done_at_least(other_client, interrupted.id, before + 1), timeout=120,
                             interval=0.02)  # the other gateway carries on
                 proc.kill()  # SIGKILL, mid-answer
                 proc.wait()
@@ -271,3 +272,41 @@ async def test_a_batch_past_its_window_ends_expired_with_what_finished(llama_ckp
     assert {"req-0", "req-1"} <= {x["custom_id"] for x in outs}
     assert all(e["error"]["code"] == "batch_expired" for e in errors) and len(outs) + len(errors) == 40
     assert end.request_counts.completed == len(outs) and end.request_counts.failed == len(errors)
+
+
+@pytest.mark.anyio
+async def test_completions_batches_per_tenant(llama_ckpt: Path, redis_url: str) -> None:
+    """A /v1/completions batch whose lines hold several prompts (several jobs each), run under a tenant
+    with max_concurrent 4 (the runner keeps within half of it); another tenant's key sees
+    neither its files nor its batches."""
+    model = str(llama_ckpt)
+    tenants = {"acme": TenantLimits(max_concurrent=4), "beta": TenantLimits()}
+    cfg = config(redis_url, tenants=tenants, key_tenants={"ka": "acme", "kb": "beta"})
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": model, "prompt": [f"Once upon a time {i}", f"The number {i} is"], "max_tokens": 6,
+                       "temperature": 0, "ignore_eos": True}} for i in range(4)]
+    async with running_worker(llama_ckpt, redis_url), running_gateway(cfg) as gw:
+        acme = openai.AsyncOpenAI(base_url=gw.url + "v1", api_key="ka", max_retries=0, timeout=60)
+        beta = openai.AsyncOpenAI(base_url=gw.url + "v1", api_key="kb", max_retries=0, timeout=60)
+        async with acme, beta:
+            up = await acme.files.create(file=("c.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+            batch = await acme.batches.create(input_file_id=up.id, endpoint="/v1/completions",
+                                              completion_window="24h")
+            with pytest.raises(openai.NotFoundError):
+                await beta.files.retrieve(up.id)
+            with pytest.raises(openai.NotFoundError):
+                await beta.batches.retrieve(batch.id)
+            with pytest.raises(openai.NotFoundError):
+                await beta.batches.create(input_file_id=up.id, endpoint="/v1/completions", completion_window="24h")
+            assert [f async for f in beta.files.list()] == [] and [b async for b in beta.batches.list()] == []
+            end = (await finished(acme, batch.id))[-1]
+            assert end.status == "completed" and end.request_counts.completed == 4 and end.error_file_id is None
+            out = await output(acme, end.output_file_id)
+            for x, line in zip(out, lines):
+                body = x["response"]["body"]
+                assert body["object"] == "text_completion" and [c["index"] for c in body["choices"]] == [0, 1]
+                # (asked by the unlimited tenant: acme's slots free only as its worker next reports)
+                live = await beta.completions.create(**{k: v for k, v in line["body"].items() if k != "ignore_eos"},
+                                                     extra_body={"ignore_eos": True})
+                assert [c["text"] for c in body["choices"]] == [c.text for c in live.choices]
+                assert body["usage"]["completion_tokens"] == 12

@@ -128,7 +128,7 @@ class BatchRunner:
             if pushed == len(h.lines) and not running:  # every line pushed before this step has ended
                 await self.store.move(batch_id, "finalizing", "in_progress")
                 return
-            await self._push_more(batch_id, h, pushed, len(running), fixed["tenant"])
+            await self._push_more(batch_id, h, pushed, sum(len(h.lines[i]["jobs"]) for i in running), fixed["tenant"])
             return
         # cancelling, or finalizing (finished, or past its window): stop what still runs, then write.
         if running and ending != "completed":
@@ -146,15 +146,17 @@ class BatchRunner:
     # --- pushing -------------------------------------------------------------------------------------
 
     async def _push_more(self, batch_id: str, h: _Held, pushed: int, running: int, tenant: str) -> int:
+        """Push lines while fewer than the window's jobs run; returns how many lines are pushed."""
         window = self.window
         limits = self.gw.config.tenants.get(tenant)
         if limits is not None and limits.max_concurrent > 0:  # half its seats stay for its live requests
             window = max(1, min(window, limits.max_concurrent // 2))
-        while pushed < len(h.lines) and running < window:
+        # Counted in jobs (a completions line with several prompts is several); one line always may run.
+        while pushed < len(h.lines) and (running == 0 or running + len(h.lines[pushed]["jobs"]) <= window):
             for job in h.lines[pushed]["jobs"]:
                 if not await self._push(job, tenant):
                     return pushed  # the tenant is at its limit: the rest waits for the next step
-            pushed, running = pushed + 1, running + 1
+            pushed, running = pushed + 1, running + len(h.lines[pushed]["jobs"])
             await self.store.set(batch_id, next=pushed)
         return pushed
 
@@ -162,12 +164,12 @@ class BatchRunner:
         """Push one job; True when it is (or already was) in the queue."""
         try:
             await submit_jobs(self.gw.hub, self.gw.gate, tenant, [job], self.gw.prompt_limit(), _nothing, _nothing)
+        except RateLimited:  # (a ProtocolError too)
+            return False
         except ProtocolError as e:
             if e.code != "duplicate_id":  # checked when the batch was created: a limit changed since
                 raise
             # Pushed before (by a gateway that died before it recorded so): it runs once.
-        except RateLimited:
-            return False
         return True
 
     # --- collecting ----------------------------------------------------------------------------------
