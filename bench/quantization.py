@@ -2,6 +2,7 @@
 
     python -m bench.quantization [--model DIR] [--batches 1,2,4,8] [--repeats 3] [--tokens 64]
                                  [--accuracy-tokens 1000] [--skip-speed] [--skip-accuracy] [--kernels]
+                                 [--configs fp32,bf16,int8,fp8kv,int8+fp8kv] [--threads N]
 
 Accuracy (against the same model in bfloat16): the bf16 engine writes `--accuracy-tokens` greedy
 tokens over 4 prompts; every other configuration then reads that exact text back (teacher
@@ -43,6 +44,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "fp8 weights (CPU reference)": {"dtype": "bfloat16", "quantization": "fp8"},
 }
 SPEED_CONFIGS = ("fp32", "bf16", "int8", "bf16 + fp8 KV", "int8 + fp8 KV")
+SPEED_CONFIG_NAMES = {"fp32": "fp32", "bf16": "bf16", "int8": "int8", "fp8kv": "bf16 + fp8 KV",
+                      "int8+fp8kv": "int8 + fp8 KV"}
 # Free-running greedy decodes (slow on a busy 2-core machine): the configurations served fast on the CPU
 FREE_RUN_CONFIGS = ("int8", "bf16 + fp8 KV", "int8 + fp8 KV")
 PROMPTS = [
@@ -154,13 +157,15 @@ def decode_rate(eng: LLMEngine, batch: int, tokens: int) -> float:
     return made / (time.perf_counter() - start)
 
 
-def speed(model: str, batches: list[int], tokens: int, repeats: int) -> dict[str, dict[int, float]]:
-    engines = {name: engine(model, name, kv_cache_memory_gb=0.25) for name in SPEED_CONFIGS}
+def speed(model: str, batches: list[int], tokens: int, repeats: int, configs: tuple[str, ...] = SPEED_CONFIGS
+          ) -> dict[str, dict[int, float]]:
+    engines = {name: engine(model, name, kv_cache_memory_gb=0.25) for name in configs}
     best: dict[str, dict[int, list[float]]] = {n: {b: [] for b in batches} for n in engines}
     for _ in range(repeats):
         for b in batches:
             for name, eng in engines.items():  # in turn, so a busy spell on the machine hits them alike
                 best[name][b].append(decode_rate(eng, b, tokens))
+                print(f"  {name} batch {b}: {best[name][b][-1]:.1f} tok/s", flush=True)
     rates = {n: {b: max(v) for b, v in per.items()} for n, per in best.items()}
     print(f"\ndecode tok/s (best of {repeats}; median in brackets)")
     print("config".ljust(16) + "".join(f"batch {b}".rjust(22) for b in batches))
@@ -217,7 +222,15 @@ def main() -> None:
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-accuracy", action="store_true")
     parser.add_argument("--kernels", action="store_true")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (0: torch's default). On a machine shared with other busy work, 1: "
+                             "with 2 threads every parallel region's barrier waits for a descheduled thread, "
+                             "and a 135M model's decode step measured 1.3-5.8 s instead of ~0.1")
+    parser.add_argument("--configs", default=",".join(SPEED_CONFIG_NAMES),
+                        help="speed: which of " + ", ".join(SPEED_CONFIG_NAMES) + " (bf16 always runs)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.kernels:
         kernels()
         return
@@ -227,7 +240,9 @@ def main() -> None:
         accuracy(model, args.accuracy_tokens)
     capacity(model)
     if not args.skip_speed:
-        speed(model, [int(b) for b in args.batches.split(",")], args.tokens, args.repeats)
+        names = {SPEED_CONFIG_NAMES[c] for c in args.configs.split(",")} | {"bf16"}
+        speed(model, [int(b) for b in args.batches.split(",")], args.tokens, args.repeats,
+              tuple(n for n in SPEED_CONFIGS if n in names))
 
 
 if __name__ == "__main__":
