@@ -105,7 +105,7 @@ def start_servers(args: argparse.Namespace, redis_url: str, model: str, port: in
     with task("starting the worker"):
         wait_for(lambda: bool(live_workers(client, Names())), "the worker", procs)
     gateway = [sys.executable, "-m", "workers.cli", "gateway", "--port", str(port), "--redis", redis_url,
-               "--log-level", "WARNING"]
+               "--batch-seat-share", str(args.batch_seat_share), "--log-level", "WARNING"]
     procs.append(subprocess.Popen(gateway, cwd=ROOT, env=child_env()))
     wait_for(lambda: http_ok(f"http://127.0.0.1:{port}/readyz"), "the gateway", procs)
     return procs
@@ -120,6 +120,7 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=32, help="tokens of each batch line's answer")
     ap.add_argument("--repeats", type=int, default=2, help="phases of each kind, alternating")
     ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--batch-seat-share", type=float, default=0.5, help="the gateway's --batch-seat-share")
     ap.add_argument("--model", default=None, help="checkpoint directory (default: a tiny random Llama)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON line too")
@@ -157,7 +158,8 @@ def report(args: argparse.Namespace, ttfts: dict[str, list[float]], answered: li
     rows = {kind: {"p50_ms": percentile(v, 0.5) * 1e3, "p99_ms": percentile(v, 0.99) * 1e3, "requests": len(v)}
             for kind, v in ttfts.items()}
     print(f"interactive: {args.rate:g} streaming chat req/s for {args.duration:g} s, {args.max_tokens} tokens each; "
-          f"batch: {args.batch_lines} lines of {args.batch_tokens} tokens; {args.repeats} phases of each kind")
+          f"batch: {args.batch_lines} lines of {args.batch_tokens} tokens (seat share {args.batch_seat_share:g}); "
+          f"{args.repeats} phases of each kind")
     print(f"{'':14}{'TTFT p50 ms':>12}{'TTFT p99 ms':>12}{'requests':>10}")
     for kind, r in rows.items():
         print(f"{kind:14}{r['p50_ms']:12.1f}{r['p99_ms']:12.1f}{r['requests']:10d}")

@@ -35,10 +35,9 @@ from workers.gateway.tenants import RateLimited
 log = logging.getLogger("streamer.gateway")
 
 WINDOW = 64  # most lines of one batch pushed and not finished at a time: the queue never fills with them
-# Batches together keep at most this share of the live workers' seats (max_num_seqs) busy: the rest
-# stay free, so an interactive job starts at its next step without preempting (and recomputing) batch
-# work, and steps stay the size interactive traffic makes them.
-SEAT_SHARE = 0.5
+# Batches together keep at most --batch-seat-share of the live workers' seats (max_num_seqs) busy: the
+# rest stay free, so an interactive job starts at its next step without preempting (and recomputing)
+# batch work, and steps stay nearer the size interactive traffic makes them.
 SEATS_EVERY_S = 2.0  # how often the live workers' seats are read again
 PERIOD_S = 0.25  # how often each held batch is advanced
 LEASE_MS = 5000  # a dead gateway's batches are taken over within this
@@ -91,7 +90,7 @@ class BatchRunner:
             workers = await self.gw.hub.workers()
             seats = sum(max(1, int(w.get("max_num_seqs") or 1)) for w in workers)
             self._seats = (time.monotonic(), seats)
-        return max(1, min(WINDOW, int(seats * SEAT_SHARE) // max(1, batches)))
+        return max(1, min(WINDOW, int(seats * self.gw.config.batch_seat_share) // max(1, batches)))
 
     async def tick(self) -> None:
         active = await self.store.active()

@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "many jobs (waiting or running; 0: no bound)")
     parser.add_argument("--max-file-bytes", type=int, default=d.max_file_bytes,
                         help="largest file uploaded to /v1/files for the Batch API (kept in Redis; larger: 413)")
+    parser.add_argument("--batch-seat-share", type=float, default=d.batch_seat_share,
+                        help="share (0-1] of the live workers' seats the Batch API's lines may keep busy; the "
+                             "rest stay free for interactive requests")
     parser.add_argument("--send-queue-bytes", type=int, default=d.send_queue_bytes,
                         help="per-connection bound on unsent frames; a slower reader is closed (code 4008)")
     parser.add_argument("--cancel-grace", type=float, default=d.cancel_grace_s,
@@ -93,6 +96,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          max_frame_bytes=args.max_frame_bytes, max_inflight=args.max_inflight,
                          max_prompt_tokens=args.max_prompt_tokens, max_connections=args.max_connections,
                          max_queued_jobs=args.max_queued_jobs, max_file_bytes=args.max_file_bytes,
+                         batch_seat_share=args.batch_seat_share,
                          send_queue_bytes=args.send_queue_bytes, cancel_grace_s=args.cancel_grace,
                          request_ttl_s=args.request_ttl, header_timeout_s=args.header_timeout,
                          web_root=args.web_root)

@@ -42,6 +42,9 @@ class GatewayConfig:
     # OpenAI API requests are refused with 429 while the request streams hold this many entries (0: no bound).
     max_queued_jobs: int = 10000
     max_file_bytes: int = 64 << 20  # largest file uploaded to /v1/files (413 past it): files live in Redis
+    # The share of the live workers' seats the Batch API's lines may keep busy (batch_runner.py): the
+    # rest stay free for interactive jobs.
+    batch_seat_share: float = 0.5
     send_queue_bytes: int = 4 << 20  # per connection, beyond what the socket buffers hold
     cancel_grace_s: float = 10.0  # a closed socket's requests are cancelled after this, unless resumed
     request_ttl_s: float = 3600.0  # lifetime of the gateway's id claims and cancel markers
@@ -54,6 +57,8 @@ class GatewayConfig:
     web_root: Path = field(default=WEB_ROOT)
 
     def __post_init__(self) -> None:
+        if not 0 < self.batch_seat_share <= 1:
+            raise ValueError(f"batch_seat_share must be above 0 and at most 1, not {self.batch_seat_share}")
         unknown = sorted(set(self.key_tenants.values()) - set(self.tenants))
         if unknown:
             raise ValueError(f"key_tenants names tenants that are not in tenants: {unknown}")
