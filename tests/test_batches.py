@@ -20,7 +20,9 @@ from redis_worker_helpers import NAMES, kill_all, running_worker, worker_process
 from rich.console import Console
 from test_gateway import config
 
-from clients.names import BATCH_LANE_RANK
+from clients.names import BATCH_LANE_RANK, BATCH_PRIORITY, DEFAULT_LANE_RANK, Names
+from clients.routing import lane_route
+from clients.streams import parse_registry
 from workers.cli.top_data import Gatherer
 from workers.cli.top_view import render
 from workers.gateway.keys_file import TenantLimits
@@ -310,3 +312,17 @@ async def test_completions_batches_per_tenant(llama_ckpt: Path, redis_url: str) 
                                                      extra_body={"ignore_eos": True})
                 assert [c["text"] for c in body["choices"]] == [c.text for c in live.choices]
                 assert body["usage"]["completion_tokens"] == 12
+
+
+def test_the_batch_lane_is_read_after_every_other_lane() -> None:
+    names = Names(lanes=(-10, -1))
+    assert names.lane_for(BATCH_PRIORITY) == ("llm:requests:batch", BATCH_LANE_RANK)
+    assert names.lane_for(BATCH_PRIORITY - 1) == ("llm:requests", DEFAULT_LANE_RANK)
+    assert names.lane_for(-5) == ("llm:requests:prio-1", -1)
+    registry = [(b"llm:requests:batch", BATCH_LANE_RANK), (b"llm:requests:batch:t:acme", BATCH_LANE_RANK),
+                (b"llm:requests:prio-1", -1), (b"llm:requests", DEFAULT_LANE_RANK)]
+    order = [(i.stream, i.tenant) for i in parse_registry(names, registry)]
+    assert order == [("llm:requests:prio-1", ""), ("llm:requests", ""), ("llm:requests:batch", ""),
+                     ("llm:requests:batch:t:acme", "acme")]
+    # Its shared route: the tenant's queue inside the batch lane.
+    assert lane_route(names, {"priority": BATCH_PRIORITY, "tenant": "acme"}).stream == "llm:requests:batch:t:acme"
