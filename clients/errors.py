@@ -14,11 +14,12 @@ class ProtocolError(ValueError):
     """A job that cannot be served. `code` is the machine-readable error code of the `error` event;
     `request_id` is set when the id could be read (the caller then gets an event, not only a dead letter)."""
 
-    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+    def __init__(self, code: str, message: str, request_id: str | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.request_id = request_id
+        self.param = param  # the field at fault, where one is (the OpenAI API's error `param`)
 
 
 class RequestFailed(RuntimeError):

@@ -123,6 +123,19 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
+class InvalidParam(ValueError):
+    """A sampling parameter out of its type or range; `param` names it (None: several at once)."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+
+
 def _require(ok: bool, message: str) -> None:
+    # Every message starts with the parameter it is about, when it is about one: that names it.
     if not ok:
-        raise ValueError(message)
+        first = message.split(" ", 1)[0]
+        raise InvalidParam(message, first if first in _FIELDS else None)

@@ -48,7 +48,8 @@ def _check_params(job: Job) -> None:
     try:
         SamplingParams.from_dict(job.params)
     except (TypeError, ValueError) as e:
-        raise ProtocolError("invalid_params", f"invalid sampling parameters: {e}", job.id) from e
+        raise ProtocolError("invalid_params", f"invalid sampling parameters: {e}", job.id,
+                            getattr(e, "param", None)) from e
 
 
 def _check_encoded(job: dict[str, Any], limits: Limits, rid: str) -> None:

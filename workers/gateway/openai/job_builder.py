@@ -17,7 +17,7 @@ _STATUS = {"invalid_request": 400, "invalid_params": 400, "too_large": 413, "bad
 
 
 def from_protocol(e: ProtocolError) -> OpenAIError:
-    return OpenAIError(_STATUS.get(e.code, 400), e.message, None, e.code)
+    return OpenAIError(_STATUS.get(e.code, 400), e.message, e.param, e.code)
 
 
 def build_jobs(gw: GatewayServices, req: OpenAIRequest, request_id: str, tenant: str = "",
