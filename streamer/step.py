@@ -77,10 +77,17 @@ def _is_decode(item: ScheduledSeq) -> bool:
     return item.num_new_tokens - len(item.spec_token_ids) == 1
 
 
+def _order(item: ScheduledSeq) -> tuple[bool, str]:
+    lora = item.seq.lora
+    return not _is_decode(item), "" if lora is None else lora.name + "\0" + lora.path
+
+
 def flatten_step(scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]] | None,
                  block_size: int) -> FlatStep:
-    """Flatten the step: decodes first, then prefill chunks, tokens concatenated, no padding."""
-    batch = sorted(scheduled, key=lambda s: not _is_decode(s))
+    """Flatten the step: decodes first, then prefill chunks, tokens concatenated, no padding. Within
+    each, the rows of one LoRA adapter are kept together (base rows first): the CPU's adapter products
+    then run over contiguous rows (kernels/lora.py), never gathering or scattering them."""
+    batch = sorted(scheduled, key=_order)
     bs = block_size
     input_ids: list[int] = []
     positions: list[int] = []

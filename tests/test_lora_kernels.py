@@ -22,24 +22,20 @@ def _case(n: int, n_in: int, n_out: int, slots: int, rank: int, dtype: torch.dty
     return x, a, b, row_slots, y
 
 
-def test_segments_group_rows_by_slot() -> None:
-    seg = Segments.from_slots(torch.tensor([2, -1, 0, 2, -1, 0, 1], dtype=torch.int32))
-    # One block of 2 rows per slot, base rows left out, batch order within a slot; slot 1's block
-    # is padded (row 0, zeroed by the pad mask).
-    assert (seg.num_slots, seg.length, seg.count) == (3, 2, 5)
-    assert seg.index.tolist() == [2, 5, 6, 0, 0, 3]
-    assert seg.pad is not None and seg.pad.flatten().tolist() == [1, 1, 1, 0, 1, 1]
-    even = Segments.from_slots(torch.tensor([1, 0, 0, 1], dtype=torch.int32))
-    assert even.index.tolist() == [1, 2, 0, 3] and even.pad is None  # nothing padded: no mask
+def test_segments_are_runs_of_one_slot() -> None:
+    seg = Segments.from_slots(torch.tensor([-1, -1, 0, 0, 0, 2, 2, -1, 0, 1], dtype=torch.int32))
+    assert seg.runs == [(0, 2, 5), (2, 5, 7), (0, 8, 9), (1, 9, 10)]  # base rows left out
     assert Segments.from_slots(torch.full((4,), -1, dtype=torch.int32)).empty
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_segmented_equals_reference(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("grouped", [True, False])  # rows laid out by adapter (as the engine does), or not
+def test_segmented_equals_reference(dtype: torch.dtype, grouped: bool) -> None:
     x, a, b, slots, y = _case(37, 48, 80, 4, 8, dtype, "cpu")
+    if grouped:
+        slots = torch.sort(slots).values
     expected = y.float() + lora_delta_ref(x, slots, a, b)
-    seg = Segments.from_slots(slots, dtype=dtype)
-    out = lora_add_segmented(x, y.clone(), a.transpose(1, 2), b.transpose(1, 2), seg)
+    out = lora_add_segmented(x, y.clone(), a, b, Segments.from_slots(slots))
     assert rel_err(out, expected) < TOL[dtype]
     base = slots < 0
     assert torch.equal(out[base], y[base])  # base rows untouched, bit for bit

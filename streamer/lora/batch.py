@@ -12,9 +12,8 @@ class LoRABatch:
     (models/llama.py): the number of rows it is handed says which. On the GPU the Triton kernel
     takes the per-row slots; on the CPU the rows are grouped by slot once per step (`Segments`)."""
 
-    def __init__(self, use_triton: bool, dtype: torch.dtype) -> None:
+    def __init__(self, use_triton: bool) -> None:
         self.use_triton = use_triton
-        self.dtype = dtype
         self.active = False
         self._by_rows: dict[int, tuple[torch.Tensor, Segments | None]] = {}
 
@@ -22,8 +21,7 @@ class LoRABatch:
         groups = [token_slots]
         if sample_rows.numel() != token_slots.numel():
             groups.append(token_slots[sample_rows])
-        self._by_rows = {len(s): (s, None if self.use_triton else Segments.from_slots(s, dtype=self.dtype))
-                         for s in groups}
+        self._by_rows = {len(s): (s, None if self.use_triton else Segments.from_slots(s)) for s in groups}
         self.active = True
 
     def clear(self) -> None:
@@ -38,4 +36,4 @@ class LoRABatch:
             from streamer_kernels.lora_triton import lora_add
 
             return lora_add(x.reshape(-1, x.shape[-1]), y, slots, a, b)
-        return lora_add_segmented(x, y, a.transpose(1, 2), b.transpose(1, 2), segments)
+        return lora_add_segmented(x, y, a, b, segments)

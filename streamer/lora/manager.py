@@ -36,8 +36,7 @@ class LoRAManager:
                         for i, layer in enumerate(model.layers) for owner in (layer.self_attn, layer.mlp)
                         for name in MODULES if isinstance(module := getattr(owner, name, None), nn.Module)
                         and hasattr(module, "weight")]
-        dtype = self.modules[0][3].dtype if self.modules else torch.float32  # the stacks' and activations'
-        self.batch = LoRABatch(use_triton=device.type == "cuda", dtype=dtype)
+        self.batch = LoRABatch(use_triton=device.type == "cuda")
         self.num_loads = 0  # adapters copied into a slot (each eviction makes one more)
 
     # ---- adapters --------------------------------------------------------------------------------
