@@ -14,7 +14,7 @@ from typing import Any
 from streamer.detokenizer import IncrementalDetokenizer
 from streamer.outputs import CompletionOutput, RequestOutput
 from streamer.request import Request, Sequence
-from streamer.scheduler_output import BeamResult, EngineCoreOutputs, SeqUpdate
+from streamer.scheduler_output import BeamResult, SeqUpdate, StepUpdates
 
 
 @dataclass
@@ -79,7 +79,7 @@ class OutputProcessor:
     def has_pending(self) -> bool:
         return bool(self._aborted)
 
-    def process(self, core: EngineCoreOutputs) -> tuple[list[RequestOutput], list[Sequence]]:
+    def process(self, core: StepUpdates) -> tuple[list[RequestOutput], list[Sequence]]:
         """Outputs of one step, and the sequences a stop string ended (still to be finished)."""
         outputs, self._aborted = self._aborted, []
         outputs += [self._beam_output(result) for result in core.beam_results]

@@ -20,14 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from streamer.beam_requests import Beams
 from streamer.beam_search import Selection
-from streamer.beams import Beams
 from streamer.block_manager import BlockManager
 from streamer.errors import QueueFullError
 from streamer.outputs import PromptProgress
 from streamer.preemption import priority_victims
 from streamer.request import Request, SeqStatus, Sequence
-from streamer.scheduler_output import EngineCoreOutputs, ScheduledSeq, SchedulerOutput, SeqUpdate
+from streamer.scheduler_output import ScheduledSeq, SchedulerOutput, SeqUpdate, StepUpdates
 from streamer.scheduler_stats import SchedulerStats
 from streamer.spec_decode.rejection_sampler import can_verify
 from streamer.stop_checker import finish_reason_after
@@ -138,7 +138,7 @@ class Scheduler:
             self._park_idle(out, budget)
         for item in out.scheduled:
             item.block_ids = self.block_manager.block_table(item.seq)
-            if item.samples:
+            if item.samples_next_token:
                 item.forks = self._forks.pop(item.seq.seq_id, [])
         out.block_copies = self.block_manager.take_copies()
         if out.scheduled:
@@ -273,7 +273,7 @@ class Scheduler:
 
     # ---- after the model ---------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, model_output: tuple[list[Sequence], SamplerOutput | None]
-                           ) -> EngineCoreOutputs:
+                           ) -> StepUpdates:
         """Advance the step's sequences by what the model computed and sampled."""
         drafted: dict[int, int] = {}
         for item in out.scheduled:
@@ -288,7 +288,7 @@ class Scheduler:
                 self.block_manager.fork(item.seq, child)
                 self._start_running(child, item.seq.num_computed_tokens)
         sampled, result = model_output
-        core = EngineCoreOutputs()
+        core = StepUpdates()
         beam_requests: dict[str, Request] = {}
         for i, seq in enumerate(sampled):
             assert result is not None
@@ -336,7 +336,7 @@ class Scheduler:
             self.finish(seq)
         return update
 
-    def _step_beams(self, request: Request, core: EngineCoreOutputs) -> None:
+    def _step_beams(self, request: Request, core: StepUpdates) -> None:
         step = self.beams.advance(request)
         if step is None:
             return

@@ -25,7 +25,7 @@ class ScheduledSeq:
         return max(0, min(start + self.num_new_tokens, self.seq.num_prompt_tokens) - start)
 
     @property
-    def samples(self) -> bool:
+    def samples_next_token(self) -> bool:
         """Whether this chunk reaches the end of the sequence, so a token is sampled after it."""
         return self.seq.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == self.seq.num_tokens
 
@@ -67,6 +67,8 @@ class BeamResult:
 
 
 @dataclass
-class EngineCoreOutputs:
+class StepUpdates:
+    """What one step changed, for the output processor: each sampled token, each finished beam search."""
+
     updates: list[SeqUpdate] = field(default_factory=list)
     beam_results: list[BeamResult] = field(default_factory=list)

@@ -35,7 +35,7 @@ class SchedulerStats:
         prefill = [s for s in scheduled if s.seq.num_computed_tokens < s.seq.num_prompt_tokens]
         if prefill and len(prefill) < len(scheduled):
             self.num_mixed_steps += 1
-        self.num_partial_prefills += sum(1 for s in prefill if not s.samples)
+        self.num_partial_prefills += sum(1 for s in prefill if not s.samples_next_token)
         self.prompt_tokens_computed += sum(s.num_new_prompt_tokens for s in prefill)
 
     def record_drafts(self, num_drafts: int, num_accepted: int) -> None:

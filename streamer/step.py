@@ -117,7 +117,7 @@ def flatten_step(scheduled: list[ScheduledSeq], block_copies: list[tuple[int, in
         if item.spec_token_ids:
             sample_seqs.append(item.seq)
             drafts.append(item.spec_token_ids)
-        elif item.samples:
+        elif item.samples_next_token:
             # Forked siblings (parallel samples) draw their first token from the same row.
             for sampler_seq in (item.seq, *item.forks):
                 sample_rows.append(starts[-1] - 1)

@@ -14,7 +14,7 @@ from streamer.request import Request, SeqStatus, Sequence
 from streamer.sampler import SamplerOutput
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler import Scheduler, SchedulerConfig
-from streamer.scheduler_output import EngineCoreOutputs, SchedulerOutput
+from streamer.scheduler_output import SchedulerOutput, StepUpdates
 
 NUM_BLOCKS, BLOCK_SIZE = 24, 4
 
@@ -28,12 +28,12 @@ def make_seq(n_tokens: int, first: int = 1, max_tokens: int = 1000) -> Sequence:
 def model_output(out: SchedulerOutput, token: int = 7) -> tuple[list[Sequence], SamplerOutput]:
     """What the model runner would return for `out` if every row sampled `token`: the sequences
     that sample (a sampling row's forked siblings too), in order."""
-    sampled = [s for item in out.scheduled if item.samples for s in (item.seq, *item.forks)]
+    sampled = [s for item in out.scheduled if item.samples_next_token for s in (item.seq, *item.forks)]
     n = len(sampled)
     return sampled, SamplerOutput([token] * n, [None] * n, [None] * n)
 
 
-def step(sched: Scheduler, token: int = 7) -> tuple[SchedulerOutput, EngineCoreOutputs]:
+def step(sched: Scheduler, token: int = 7) -> tuple[SchedulerOutput, StepUpdates]:
     """One engine step without a model: schedule, then update with every sampled token `token`."""
     out = sched.schedule()
     return out, sched.update_from_output(out, model_output(out, token))

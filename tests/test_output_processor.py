@@ -12,7 +12,7 @@ from streamer.output_processor import OutputProcessor
 from streamer.random_checkpoint import build_tokenizer
 from streamer.request import Request, SeqStatus, Sequence
 from streamer.sampling_params import SamplingParams
-from streamer.scheduler_output import BeamResult, EngineCoreOutputs, SeqUpdate
+from streamer.scheduler_output import BeamResult, SeqUpdate, StepUpdates
 from tests.test_detokenizer import PROMPT, TEXT
 
 
@@ -37,7 +37,7 @@ def feed(proc: OutputProcessor, seq: Sequence, token: int, finish: tuple[str, in
     update = SeqUpdate(seq, token, logprobs, *(finish or (None, None)))
     if finish:
         seq.status = SeqStatus.FINISHED
-    return proc.process(EngineCoreOutputs([update]))
+    return proc.process(StepUpdates([update]))
 
 
 def test_deltas_add_up_to_the_full_decode_and_the_last_output_is_final(tok) -> None:
@@ -57,7 +57,7 @@ def test_deltas_add_up_to_the_full_decode_and_the_last_output_is_final(tok) -> N
     last = outs[-1][0]
     assert (last.request_id, last.prompt_token_ids, last.prompt) == ("r", request.prompt_token_ids, PROMPT)
     assert last.outputs[0].finish_reason == "length" and last.outputs[0].logprobs is None
-    assert not proc.has_pending() and proc.process(EngineCoreOutputs()) == ([], [])
+    assert not proc.has_pending() and proc.process(StepUpdates()) == ([], [])
 
 
 def test_a_stop_string_ends_the_sequence_and_is_handed_back(tok) -> None:
@@ -125,7 +125,7 @@ def test_an_abort_hands_out_held_back_text_and_keeps_finished_samples_reasons(to
         seq.status = SeqStatus.FINISHED
     proc.abort(request)
     assert proc.has_pending()
-    (out,), stopped = proc.process(EngineCoreOutputs())
+    (out,), stopped = proc.process(StepUpdates())
     assert out.finished and stopped == [] and not proc.has_pending()
     a, b = out.outputs
     assert (a.index, a.finish_reason, a.stop_reason, a.text, a.token_ids) == (0, "stop", 9, "", [])
@@ -153,7 +153,7 @@ def test_a_finished_beam_search_is_one_final_output(tok) -> None:
     request = new_request(tok, use_beam_search=True, beam_width=2)
     proc.add_request(request, [])
     ids = [tok(" Hi").input_ids + [tok.eos_token_id], tok(" Ho there").input_ids]  # EOS: not in the text
-    (out,), stopped = proc.process(EngineCoreOutputs(beam_results=[BeamResult(request, ids, [True, False])]))
+    (out,), stopped = proc.process(StepUpdates(beam_results=[BeamResult(request, ids, [True, False])]))
     assert out.finished and stopped == [] and (out.prompt, out.prompt_token_ids) == (PROMPT, request.prompt_token_ids)
     assert [(c.index, c.token_ids, c.text, c.finish_reason) for c in out.outputs] == \
         [(0, ids[0], " Hi", "stop"), (1, ids[1], " Ho there", "length")]

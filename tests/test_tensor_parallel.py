@@ -43,7 +43,7 @@ def qwen2_odd_vocab_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _is_rank(pid: str) -> bool:
     try:
-        return b"streamer.distributed.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"streamer.distributed.rank_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 

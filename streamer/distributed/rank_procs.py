@@ -1,6 +1,6 @@
 """The processes of tensor-parallel ranks 1..N-1: start, watch, stop.
 
-Each rank is `python -m streamer.distributed.worker` (a fresh interpreter: the caller's main
+Each rank is `python -m streamer.distributed.rank_main` (a fresh interpreter: the caller's main
 module is never re-imported, unlike multiprocessing's spawn). Each gets the write end of its own
 pipe, and writes its traceback there if it fails. The parent holds only the read ends, so a
 pipe reaches end-of-file exactly when its rank exits, however it exits (even SIGKILL): a
@@ -46,7 +46,7 @@ class RankProcesses:
                 read_fd, write_fd = os.pipe()
                 try:
                     self.procs[rank] = subprocess.Popen(
-                        [sys.executable, "-m", "streamer.distributed.worker", *argv_for_rank(rank),
+                        [sys.executable, "-m", "streamer.distributed.rank_main", *argv_for_rank(rank),
                          "--error-fd", str(write_fd)],
                         pass_fds=(write_fd,), env=env)
                 finally:

@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from streamer.config import EngineConfig
 from streamer.distributed.comm import SETUP_TIMEOUT, abort_group, connect, shutdown_group
+from streamer.distributed.rank_main import ready_key
 from streamer.distributed.rank_procs import RankProcesses
-from streamer.distributed.worker import ready_key
 from streamer.errors import TensorParallelError
 from streamer.model_config import ModelConfig
 from streamer.model_runner import ModelRunner

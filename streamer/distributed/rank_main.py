@@ -1,4 +1,4 @@
-"""A tensor-parallel rank > 0: `python -m streamer.distributed.worker ...`, started by TPExecutor.
+"""A tensor-parallel rank > 0: `python -m streamer.distributed.rank_main ...`, started by TPExecutor.
 
 It loads its shard of the weights, allocates the KV cache of its heads, then runs the model on
 every step rank 0 broadcasts until told to stop. It never schedules or samples. If anything
