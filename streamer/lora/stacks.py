@@ -53,8 +53,15 @@ class LoRAStack:
         parts = NUM_PARTS[name]
         # (a quantized weight's adapter runs in the default dtype: the activations')
         dtype, device = shape.dtype, shape.device
-        self.a = torch.zeros(num_slots, parts * rank, self.in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots, out, parts * rank, dtype=dtype, device=device)
+        # On the CPU the stacks are float32 and transposed for plain row-major products (kernels/lora.py
+        # says why); the Triton kernel reads them as A [S, R, in], B [S, out, R] in the model's dtype.
+        self.cpu = device.type == "cpu"
+        if self.cpu:
+            self.a = torch.zeros(num_slots, self.in_features, parts * rank, dtype=torch.float32)
+            self.b = torch.zeros(num_slots, parts * rank, out, dtype=torch.float32)
+        else:
+            self.a = torch.zeros(num_slots, parts * rank, self.in_features, dtype=dtype, device=device)
+            self.b = torch.zeros(num_slots, out, parts * rank, dtype=dtype, device=device)
         self.batch = batch
         self.handle = module.register_forward_hook(self._hook)
 
@@ -74,8 +81,12 @@ class LoRAStack:
             block = max(part, 0) * self.rank
             r = a.shape[0]
             rows = slice(None) if part < 0 else slice(starts[part], starts[part] + self.sizes[part])
-            self.a[slot, block:block + r] = a.to(self.a.dtype)
-            self.b[slot, rows, block:block + r] = b.to(self.b.dtype)
+            if self.cpu:
+                self.a[slot, :, block:block + r] = a.T.to(self.a.dtype)
+                self.b[slot, block:block + r, rows] = b.T.to(self.b.dtype)
+            else:
+                self.a[slot, block:block + r] = a.to(self.a.dtype)
+                self.b[slot, rows, block:block + r] = b.to(self.b.dtype)
 
     def _hook(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
         return self.batch.apply(args[0], output, self.a, self.b)
