@@ -1,10 +1,9 @@
 """Weight-only int8 with one scale per output channel (kernels/int8_gemm.py defines it).
 
-On the CPU the weight is kept only in the kernel's packed layout: decode-sized batches (up to
-`KERNEL_MAX_ROWS` rows) run the VNNI kernel, which reads half of bfloat16's bytes; larger ones
-(prefill) dequantize the weight and run a dense GEMM, where the arithmetic, not the bytes, is
-what costs and the kernel's integer tiles were slower than oneDNN's (bench/README.md). On a GPU it
-is the reference (dequantize, then GEMM): correct, and a memory saving, not a speed-up."""
+On the CPU the weight is kept only in the kernel's packed layout: inputs of up to
+`KERNEL_MAX_ROWS` rows (decode batches, short prefill chunks) run the VNNI kernel, which reads half
+of bfloat16's bytes; larger ones dequantize the weight for the call and run a dense GEMM. On a GPU
+it is the reference (dequantize, then GEMM): correct, and a memory saving, not a speed-up."""
 
 from __future__ import annotations
 
@@ -14,7 +13,10 @@ from streamer_kernels.cpu_extension import load
 from streamer_kernels.int8_gemm import dequantize_int8_ref, pack_int8_weight, quantize_int8_ref, unpack_int8_weight
 from streamer_kernels.int8_gemm_cpu import int8_linear_cpu
 
-KERNEL_MAX_ROWS = 16  # rows above which the CPU dequantizes instead (measured crossover, bench/README.md)
+# Rows above which the CPU dequantizes instead. Measured on the built-in model's projections (one
+# thread): the kernel costs ~9 us per row, dequantizing + oneDNN's GEMM 2-5 ms per call nearly whatever
+# the rows, even at 256 rows (2.1-3.9 ms against 2.3-4.5), ahead from 512 (bench/results/quantization.md).
+KERNEL_MAX_ROWS = 256
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
