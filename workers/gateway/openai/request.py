@@ -63,7 +63,8 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> Open
     return OpenAIError(400, message, param, code)
 
 
-def _check_fields(body: Any, allowed: set[str]) -> dict[str, Any]:
+def check_fields(body: Any, allowed: set[str]) -> dict[str, Any]:
+    """A JSON object of only `allowed` fields, naming a model (OpenAI's errors otherwise)."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     for name in sorted(body):
@@ -135,7 +136,7 @@ def _base(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_completion(raw: Any) -> OpenAIRequest:
-    body = _base(_check_fields(raw, COMPLETION_FIELDS))
+    body = _base(check_fields(raw, COMPLETION_FIELDS))
     _unsupported(body, "echo", lambda v: v is False)
     _unsupported(body, "suffix", lambda v: v == "")
     stream, include_usage = _stream_options(body)
@@ -170,7 +171,7 @@ def _prompts(prompt: Any) -> list[dict[str, Any]]:
 
 
 def parse_chat(raw: Any) -> OpenAIRequest:
-    body = _base(_check_fields(raw, CHAT_FIELDS))
+    body = _base(check_fields(raw, CHAT_FIELDS))
     _unsupported(body, "store", lambda v: v is False)
     stream, include_usage = _stream_options(body)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"

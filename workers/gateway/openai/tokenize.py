@@ -18,7 +18,7 @@ from clients.protocol import VERSION
 from workers.gateway.admission import check_job
 from workers.gateway.openai.job_builder import from_protocol
 from workers.gateway.openai.jobs import GatewayServices, JobStream
-from workers.gateway.openai.request import OpenAIError, bad
+from workers.gateway.openai.request import OpenAIError, bad, check_fields
 from workers.gateway.openai.response import StreamMeta
 from workers.gateway.routes import request_token
 from workers.gateway.submit import submit_jobs
@@ -34,7 +34,7 @@ JsonBody = Callable[[Request], Awaitable[Any]]
 
 def tokenize_job(body: Any) -> dict[str, Any]:
     """The job of a /tokenize body: a `prompt`, or `messages` (and `tools`) through the chat template."""
-    body = _fields(body, TOKENIZE_FIELDS)
+    body = check_fields(body, TOKENIZE_FIELDS)
     chat = "messages" in body
     if chat == ("prompt" in body):
         raise bad("give exactly one of `prompt` or `messages`", "prompt")
@@ -58,22 +58,11 @@ def tokenize_job(body: Any) -> dict[str, Any]:
 
 
 def detokenize_job(body: Any) -> dict[str, Any]:
-    body = _fields(body, DETOKENIZE_FIELDS)
+    body = check_fields(body, DETOKENIZE_FIELDS)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not tokens:
         raise bad("`tokens` must be a non-empty list of token ids", "tokens")
     return {"task": "detokenize", "prompt_token_ids": tokens}
-
-
-def _fields(body: Any, allowed: set[str]) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
-    for name in sorted(body):
-        if name not in allowed:
-            raise bad(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
-    if not isinstance(body.get("model"), str) or not body["model"]:
-        raise bad("you must provide a model parameter (a string)", "model", "missing_required_parameter")
-    return body
 
 
 class TokenizeRoutes:
