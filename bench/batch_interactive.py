@@ -24,11 +24,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import redis
 
-from bench.harness.machine import ROOT
+from bench.harness.machine import ROOT, model_or_tiny
 from bench.harness.servers import child_env, http_ok, stop_all, wait_for
 from bench.harness.stats import percentile
 from clients.heartbeats import live_workers
@@ -129,11 +128,7 @@ def main() -> None:
     ttfts: dict[str, list[float]] = {"alone": [], "with batch": []}
     answered: list[int] = []
     with tempfile.TemporaryDirectory() as tmp, RedisServer() as redis_server:
-        model = args.model
-        if model is None:
-            from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
-
-            model = str(build_checkpoint(Path(tmp) / "tiny", TinyModelSpec(arch="llama"), seed=1))
+        model = model_or_tiny(args.model, tmp)
         port = free_port()
         procs = start_servers(args, redis_server.url, model, port)
         base = f"http://127.0.0.1:{port}/v1"

@@ -32,7 +32,7 @@ from typing import Any
 
 import redis
 
-from bench.harness.machine import ROOT, cpu_seconds
+from bench.harness.machine import ROOT, cpu_seconds, model_or_tiny
 from bench.harness.servers import child_env, http_ok, stop_all, wait_for
 from bench.harness.stats import percentile
 from clients.heartbeats import live_workers
@@ -127,11 +127,7 @@ def main() -> None:
 
     params = {"max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
     with tempfile.TemporaryDirectory() as tmp, RedisServer() as redis_server:
-        model = args.model
-        if model is None:
-            from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
-
-            model = str(build_checkpoint(Path(tmp) / "tiny", TinyModelSpec(arch="llama"), seed=1))
+        model = model_or_tiny(args.model, tmp)
         procs: list[subprocess.Popen] = []
         port = free_port()
         try:

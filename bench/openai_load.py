@@ -24,11 +24,10 @@ import sys
 import tempfile
 import time
 import uuid
-from pathlib import Path
 
 import redis
 
-from bench.harness.machine import ROOT, cpu_seconds
+from bench.harness.machine import ROOT, cpu_seconds, model_or_tiny
 from bench.harness.servers import child_env, http_ok, stop_all, wait_for
 from bench.harness.stats import percentile
 from clients.heartbeats import live_workers
@@ -180,11 +179,7 @@ def main() -> None:
     results: dict[str, list[dict[str, float]]] = {path: [] for path in PATHS}
     paths = PATHS if args.paths is None else tuple(args.paths.split(","))
     with tempfile.TemporaryDirectory() as tmp, RedisServer() as redis_server:
-        model = args.model
-        if model is None:
-            from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
-
-            model = str(build_checkpoint(Path(tmp) / "tiny", TinyModelSpec(arch="llama"), seed=1))
+        model = model_or_tiny(args.model, tmp)
         port = free_port()
         procs = start_servers(args, redis_server.url, model, port)
         try:

@@ -54,3 +54,12 @@ def _wait_quiet(min_idle: float, window: float, timeout: float) -> float:
         idle = (i1 - i0) / max(1, t1 - t0)
         if idle >= min_idle or time.monotonic() > deadline:
             return idle
+
+
+def model_or_tiny(model: str | None, tmp: str) -> str:
+    """The checkpoint a serving benchmark runs: the one given, else a tiny random Llama built in `tmp`."""
+    if model is not None:
+        return model
+    from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
+
+    return str(build_checkpoint(Path(tmp) / "tiny", TinyModelSpec(arch="llama"), seed=1))
