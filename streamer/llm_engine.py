@@ -61,14 +61,14 @@ class LLMEngine:
                                                        config=self.model_config.hf_config)
         self.eos_token_ids = frozenset(_eos_token_ids(self.model_config.path, self.tokenizer))
         self.generation_defaults = generation_defaults(self.model_config.path)
-        self.runner = make_executor(config, self.model_config, self.device, Sampler(self.eos_token_ids, config.seed))
+        self.executor = make_executor(config, self.model_config, self.device, Sampler(self.eos_token_ids, config.seed))
         # A sequence can never outgrow the whole cache, so cap its length there.
-        self.max_model_len = min(self.model_config.max_model_len, self.runner.num_kv_blocks * config.block_size)
+        self.max_model_len = min(self.model_config.max_model_len, self.executor.num_kv_blocks * config.block_size)
         spec = config.speculative
-        self.proposer = make_proposer(config, spec, self.model_config, self.device, self.runner.num_kv_blocks) \
+        self.proposer = make_proposer(config, spec, self.model_config, self.device, self.executor.num_kv_blocks) \
             if spec else None
         self.scheduler = Scheduler(SchedulerConfig(
-            num_blocks=self.runner.num_kv_blocks, block_size=config.block_size, max_model_len=self.max_model_len,
+            num_blocks=self.executor.num_kv_blocks, block_size=config.block_size, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching, max_waiting_requests=config.max_waiting_requests,
             max_waiting_tokens=config.max_waiting_tokens, eos_token_ids=self.eos_token_ids,
@@ -129,7 +129,7 @@ class LLMEngine:
         self.output_processor.add_request(request, resume)
 
     def _check_lora(self, lora: LoRARequest) -> None:
-        manager = getattr(self.runner, "lora", None)
+        manager = getattr(self.executor, "lora", None)
         if manager is None:
             raise ValueError("this engine serves no LoRA adapters (max_loras 0, or tensor parallelism: "
                              "adapters run with tensor_parallel_size 1)")
@@ -137,7 +137,7 @@ class LLMEngine:
 
     def loaded_loras(self) -> list[str]:
         """Names of the adapters in device slots now (the worker advertises them for routing)."""
-        manager = getattr(self.runner, "lora", None)
+        manager = getattr(self.executor, "lora", None)
         return manager.loaded() if manager is not None else []
 
     def grammars(self) -> GrammarCompiler:
@@ -184,7 +184,7 @@ class LLMEngine:
             self._grammars.masks.wait(MASK_WAIT_S)  # only masks to wait for: sleep, not spin
         self._mark_scheduled(scheduled, t1)
         counts = scheduled.num_tokens, scheduled.num_prompt_tokens  # before the step moves them on
-        step = execute_isolated(self.runner, scheduled)
+        step = execute_isolated(self.executor, scheduled)
         t2 = time.monotonic()
         for request_id, reason in step.failed.items():  # the others' step goes on without them
             self.abort_request(request_id, error=reason)
@@ -198,7 +198,7 @@ class LLMEngine:
             self._num_steps += 1
             self.step_records.append(StepRecord(self._num_steps, t0, len(scheduled.scheduled), *counts,
                                                 schedule_s=t1 - t0, execute_s=t2 - t1, process_s=t3 - t2,
-                                                phases=getattr(self.runner, "phases", None)))
+                                                phases=getattr(self.executor, "phases", None)))
         return outputs
 
     def take_step_records(self) -> list[StepRecord]:
@@ -220,7 +220,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the model's processes (tensor parallelism, grammar compiles); the engine is unusable afterwards."""
-        self.runner.shutdown()
+        self.executor.shutdown()
         if self.proposer is not None:
             self.proposer.shutdown()
         if self._grammars is not None:
@@ -244,7 +244,7 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             "device": str(self.device),
             "dtype": str(self.model_config.dtype).replace("torch.", ""),
-            "attention_backend": self.runner.backend.name,
+            "attention_backend": self.executor.backend.name,
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "loras": self.loaded_loras(),
         }

@@ -70,7 +70,7 @@ def next_step(engine: LLMEngine, prompts: list[list[int]]) -> StepInputs:
 
 
 def test_padded_step_gives_the_unpadded_logits_and_dummies_write_no_kv(engine: LLMEngine) -> None:
-    runner = engine.runner
+    runner = engine.executor
     inputs = next_step(engine, [[5, 9, 30, 31, 32], list(range(40, 59)), [77] * 3])
     assert is_pure_decode(inputs) and inputs.input_ids.shape[0] == 3
     before = [c.clone() for c in runner.key_caches + runner.value_caches]
@@ -114,7 +114,7 @@ def test_captured_graph_replays_the_eager_decode(llama_ckpt: Path) -> None:
         while engine.has_unfinished_requests():
             for out in engine.step():
                 tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
-        graphs = engine.runner.graphs
+        graphs = engine.executor.graphs
         assert (graphs is None) == eager and (eager or 4 in graphs.graphs)  # 3 decodes ran as bucket 4's graph
         engine.shutdown()
         return [tokens[str(i)] for i in range(len(prompts))]

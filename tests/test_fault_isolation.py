@@ -69,7 +69,7 @@ def test_a_failing_request_is_failed_alone_and_the_rest_match_a_clean_run(llm: L
     params = [GREEDY] * 7
     clean = run(llm, batch, ids, params)
     ids[3] = "poison"
-    llm.engine.runner = runner = PoisonedRunner(llm.engine.runner, {"poison"}, after=after)
+    llm.engine.executor = runner = PoisonedRunner(llm.engine.executor, {"poison"}, after=after)
     got = run(llm, batch, ids, params)
     for request_id, clean_id in zip(ids, [f"r{i}" for i in range(7)], strict=True):
         if request_id == "poison":
@@ -83,14 +83,14 @@ def test_a_failing_request_is_failed_alone_and_the_rest_match_a_clean_run(llm: L
     # Bisecting 7 requests for one culprit: two runs per halving (3 halvings), not one per request.
     assert len(runner.calls) - got["steps"] <= 6 and max(runner.calls) == 7
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.runner.num_kv_blocks
+    assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.executor.num_kv_blocks
 
 
 def test_every_sample_of_a_failing_request_fails_and_other_samples_go_on(llm: LLM) -> None:
     batch = prompts(3)
     n3 = SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=8, ignore_eos=True)
     clean = run(llm, batch, ["a", "b", "c"], [GREEDY, n3, GREEDY])
-    llm.engine.runner = PoisonedRunner(llm.engine.runner, {"b"}, after=2)
+    llm.engine.executor = PoisonedRunner(llm.engine.executor, {"b"}, after=2)
     got = run(llm, batch, ["a", "b", "c"], [GREEDY, n3, GREEDY])
     assert got["b"]["reasons"] == {0: "error", 1: "error", 2: "error"}
     assert got["a"]["tokens"] == clean["a"]["tokens"] and got["c"]["tokens"] == clean["c"]["tokens"]
@@ -100,14 +100,14 @@ def test_two_culprits_in_one_step_are_both_found(llm: LLM) -> None:
     batch = prompts(8)
     ids = [f"r{i}" for i in range(8)]
     clean = run(llm, batch, ids, [GREEDY] * 8)
-    llm.engine.runner = PoisonedRunner(llm.engine.runner, {"r1", "r6"})
+    llm.engine.executor = PoisonedRunner(llm.engine.executor, {"r1", "r6"})
     got = run(llm, batch, ids, [GREEDY] * 8)
     assert {i for i in ids if got[i]["error"] is not None} == {"r1", "r6"}
     assert all(got[i]["tokens"] == clean[i]["tokens"] for i in ids if i not in {"r1", "r6"})
 
 
 def test_a_single_failing_request_leaves_the_engine_serving(llm: LLM) -> None:
-    llm.engine.runner = PoisonedRunner(llm.engine.runner, {"poison"})
+    llm.engine.executor = PoisonedRunner(llm.engine.executor, {"poison"})
     got = run(llm, prompts(1), ["poison"], [GREEDY])
     assert got["poison"]["reasons"] == {0: "error"}
     after = run(llm, prompts(1), ["next"], [GREEDY])
@@ -116,13 +116,13 @@ def test_a_single_failing_request_leaves_the_engine_serving(llm: LLM) -> None:
 
 def test_a_step_every_request_fails_is_the_engines_fault(llm: LLM) -> None:
     """Nothing to blame on a request (a broken device, an engine bug): the error stops the engine."""
-    llm.engine.runner = PoisonedRunner(llm.engine.runner, {"a", "b", "c"})
+    llm.engine.executor = PoisonedRunner(llm.engine.executor, {"a", "b", "c"})
     with pytest.raises(RuntimeError, match="poisoned row"):
         run(llm, prompts(3), ["a", "b", "c"], [GREEDY] * 3)
 
 
 def test_engine_wide_errors_are_never_bisected(llm: LLM) -> None:
-    llm.engine.runner = runner = PoisonedRunner(llm.engine.runner, {"b"}, error=TensorParallelError)
+    llm.engine.executor = runner = PoisonedRunner(llm.engine.executor, {"b"}, error=TensorParallelError)
     with pytest.raises(TensorParallelError):
         run(llm, prompts(3), ["a", "b", "c"], [GREEDY] * 3)
     assert runner.calls == [3]

@@ -190,8 +190,8 @@ def _greedy(ckpt, **options) -> tuple[list[list[int]], object]:  # noqa: ANN001
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
     with LLM(str(ckpt), device="cpu", seed=0, **options) as llm:
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        attn = llm.engine.runner.model.layers[0].self_attn.attn
-        return tokens, (attn.key_cache.dtype, attn.k_scale, attn.v_scale, llm.engine.runner.num_kv_blocks)
+        attn = llm.engine.executor.model.layers[0].self_attn.attn
+        return tokens, (attn.key_cache.dtype, attn.k_scale, attn.v_scale, llm.engine.executor.num_kv_blocks)
 
 
 def test_engine_fp8_cache_kernels_equal_references_and_capacity_doubles(llama_ckpt) -> None:  # noqa: ANN001
@@ -223,11 +223,11 @@ def test_engine_calibrates_kv_scales_on_its_first_forward(llama_ckpt) -> None:  
     _cpu_backend()
     firsts: list[tuple[float, float]] = []
     with LLM(str(llama_ckpt), device="cpu", dtype="float32", num_kv_blocks=256, seed=0) as llm:
-        backend = llm.engine.runner.backend
+        backend = llm.engine.executor.backend
         write = backend.write_kv
 
         def recording(key, value, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-            if len(firsts) < len(llm.engine.runner.model.layers):
+            if len(firsts) < len(llm.engine.executor.model.layers):
                 firsts.append((float(key.abs().max()), float(value.abs().max())))
             return write(key, value, *args, **kwargs)
 
@@ -235,7 +235,7 @@ def test_engine_calibrates_kv_scales_on_its_first_forward(llama_ckpt) -> None:  
         llm.generate([{"prompt_token_ids": [5, 9, 14, 3, 77, 41]}], SamplingParams(max_tokens=2, temperature=0.0))
     with LLM(str(llama_ckpt), device="cpu", dtype="float32", num_kv_blocks=256, seed=0, kv_cache_dtype="fp8",
              calculate_kv_scales=True) as llm:
-        layers = [layer.self_attn.attn for layer in llm.engine.runner.model.layers]
+        layers = [layer.self_attn.attn for layer in llm.engine.executor.model.layers]
         assert all(a.calibrate_kv_scales and a.k_scale == 1.0 for a in layers)  # armed, not yet run
         llm.generate([{"prompt_token_ids": [5, 9, 14, 3, 77, 41]}], SamplingParams(max_tokens=4, temperature=0.0))
         got = [(a.k_scale, a.v_scale) for a in layers]

@@ -29,7 +29,7 @@ def _spied_llm(ckpt: Path, backend: str, device: str, **kwargs: object) -> tuple
     llm = LLM(str(ckpt), dtype="float32", attention_backend=backend, device=device, block_size=8, num_kv_blocks=64,
               seed=0, **kwargs)
     assert llm.stats()["attention_backend"] == backend
-    be = llm.engine.runner.backend
+    be = llm.engine.executor.backend
     forward, copy_blocks = be.forward, be.copy_blocks
     seen = {"decode": 0, "prefill": 0, "extend": 0, "copy_blocks": 0}
 

@@ -104,7 +104,7 @@ def test_a_model_that_does_not_fit_fails_with_one_line_naming_the_numbers(wide_v
 
 def test_cpu_cache_from_kv_cache_memory_or_available_ram(llama_ckpt: Path) -> None:
     engine = LLMEngine(EngineConfig(model=str(llama_ckpt), device="cpu", dtype="float32", kv_cache_memory_gb=0.001))
-    per_block = engine.runner._bytes_per_block()
+    per_block = engine.executor._bytes_per_block()
     assert engine.stats()["kv_blocks_total"] == int(0.001 * GIB // per_block)
     engine.shutdown()
     available = available_memory()

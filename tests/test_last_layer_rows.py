@@ -17,7 +17,7 @@ GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 
 def _mlp_rows(engine: LLMEngine, layer: int) -> list[int]:
     rows: list[int] = []
-    mlp = engine.runner.model.layers[layer].mlp
+    mlp = engine.executor.model.layers[layer].mlp
     mlp.register_forward_hook(lambda module, args, out: rows.append(len(args[0])))
     return rows
 
@@ -47,7 +47,7 @@ def test_the_sampled_rows_equal_the_whole_layers(llama_ckpt: Path) -> None:
     rows, so equal to float32 summation order (~1e-6 relative), not bit for bit."""
     engine = LLMEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", num_kv_blocks=64,
                                     max_num_batched_tokens=24))
-    runner = engine.runner
+    runner = engine.executor
     run, compared = runner.run, []  # (rows, relative error) of each step compared
 
     def run_both(inputs: StepInputs) -> torch.Tensor | None:

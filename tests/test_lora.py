@@ -45,7 +45,7 @@ class StepSpy:
 
     def __init__(self, llm: LLM) -> None:
         self.steps: list[set[str | None]] = []
-        manager = llm.engine.runner.lora
+        manager = llm.engine.executor.lora
         original = manager.begin_step
 
         def begin_step(row_loras, sample_rows):  # type: ignore[no-untyped-def]
@@ -109,7 +109,7 @@ def test_eviction_with_more_adapters_than_slots(llama_ckpt: Path, adapters: dict
     for i, name in enumerate(names):
         assert outs[i].outputs[0].token_ids == peft_greedy(llama_ckpt, adapters[name], (prompts[i],), MAX_TOKENS)[0]
     assert max(len(s) for s in spy.steps) == 2  # two slots: never more adapters in a step
-    manager = llm.engine.runner.lora
+    manager = llm.engine.executor.lora
     assert manager.num_loads >= 4 and len(manager.loaded()) == 2
     # Least recently used goes first: using the older of the two loaded brings it to the end.
     older, newer = manager.loaded()

@@ -74,7 +74,7 @@ def test_router_picks_transformers_experts_for_every_token(family: str, tmp_path
     prompt = parity_prompts(512, seed=8)[-1]  # 300 tokens, prefilled in one step
     llm = LLM(str(ckpt), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=512)
     ours: list[torch.Tensor] = []
-    for layer in llm.engine.runner.model.layers:
+    for layer in llm.engine.executor.model.layers:
         layer.mlp.gate.register_forward_hook(lambda _m, _i, out: ours.append(out[1].clone()))
     llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1))
     theirs = _transformers_routes(ckpt, prompt)
@@ -84,5 +84,5 @@ def test_router_picks_transformers_experts_for_every_token(family: str, tmp_path
     for got, want in zip(full, theirs):
         assert torch.equal(got.sort(dim=-1).values, want.sort(dim=-1).values)
     assert torch.equal(last.sort(dim=-1).values, theirs[-1][-1:].sort(dim=-1).values)
-    num_experts = llm.engine.runner.model.layers[0].mlp.experts.num_experts
+    num_experts = llm.engine.executor.model.layers[0].mlp.experts.num_experts
     assert all(set(r.flatten().tolist()) == set(range(num_experts)) for r in full)  # every expert got tokens

@@ -180,7 +180,7 @@ def test_engine_greedy_tokens_equal_the_dequantized_model(llama_ckpt: Path, tmp_
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
     options = dict(dtype="float32", device="cpu", num_kv_blocks=256, seed=0)
     with LLM(str(llama_ckpt), quantization=method, **options) as llm:
-        layer = llm.engine.runner.model.layers[0].mlp.down_proj
+        layer = llm.engine.executor.model.layers[0].mlp.down_proj
         assert layer.weight.numel() == 0 and layer.packed.weight.dtype == {"int8": torch.int8, "fp8": FP8}[method]
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     with LLM(str(reference), **options) as llm:
@@ -231,7 +231,7 @@ def test_compressed_tensors_int8_checkpoint_keeps_its_values(llama_ckpt: Path, t
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
     options = dict(dtype="float32", device="cpu", num_kv_blocks=256, seed=0)
     with LLM(str(ct), **options) as llm:
-        qkv = llm.engine.runner.model.layers[1].self_attn.qkv_proj
+        qkv = llm.engine.executor.model.layers[1].self_attn.qkv_proj
         assert isinstance(qkv.packed, Int8Weight) and qkv.weight.numel() == 0
         want_q = torch.cat([tensors[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
         assert torch.equal(qkv.packed.int8(), want_q)  # the file's values, not requantized

@@ -161,7 +161,7 @@ def test_a_failing_request_in_a_drafting_step_is_failed_alone(llama_ckpt):
     params = [greedy()] * 6
     clean = run_steps(llm, batch, ids, params)
     ids[1] = "poison"
-    llm.engine.runner = PoisonedRunner(llm.engine.runner, {"poison"}, after=5)
+    llm.engine.executor = PoisonedRunner(llm.engine.executor, {"poison"}, after=5)
     got = run_steps(llm, batch, ids, params)
     for request_id, clean_id in zip(ids, [f"r{i}" for i in range(6)]):
         if request_id != "poison":

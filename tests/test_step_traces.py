@@ -73,7 +73,7 @@ async def test_an_injected_stall_gives_exactly_one_trace(llama_ckpt: Path, redis
         await client.generate("warm up the normal", params=params)
         await wait_for(lambda: len(worker.steps.slow.window) >= 30, timeout=10)
         assert await r.xlen(names.traces) == 0  # normal steps: no trace
-        runner = worker.engine.engine.runner
+        runner = worker.engine.engine.executor
         real, stalled = runner.execute, []
 
         def stall_once(*args, **kwargs):

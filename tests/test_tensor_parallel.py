@@ -96,7 +96,7 @@ def two_rounds(ckpt: Path, tp: int, prompts: list[list[int]], **engine_kwargs):
 
 def count_block_copies(llm: LLM) -> list[tuple[int, int]]:
     """Record the block copies the engine hands its executor (the executor still does them)."""
-    runner, seen = llm.engine.runner, []
+    runner, seen = llm.engine.executor, []
     execute = runner.execute
 
     def recording(scheduled, block_copies=None):
@@ -133,7 +133,7 @@ def test_greedy_tokens_match_one_device_and_transformers(request, ckpt_name, tp)
 async def test_killed_rank_ends_the_engine_with_an_error_and_no_process_left(llama_ckpt):
     config = EngineConfig(model=str(llama_ckpt), dtype="float32", tensor_parallel_size=2, num_kv_blocks=64)
     engine = AsyncEngine(config)
-    pids = engine.engine.runner.pids
+    pids = engine.engine.executor.pids
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     seen = 0
     async with engine:
@@ -158,7 +158,7 @@ def test_the_rank_that_died_is_blamed_not_its_peers(llama_ckpt):
     llm = LLM(str(llama_ckpt), dtype="float32", tensor_parallel_size=4, num_kv_blocks=64)
     engine = llm.engine
     try:
-        pids = engine.runner.pids
+        pids = engine.executor.pids
         for i in range(4):
             engine.add_request(f"r{i}", [10, 20, 30 + i] * 5,
                                SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
@@ -181,7 +181,7 @@ def test_engine_process_killed_takes_its_ranks_along(llama_ckpt, tmp_path):
         "import json, sys, time\n"
         "from streamer import LLM\n"
         f"llm = LLM({str(llama_ckpt)!r}, tensor_parallel_size=2, num_kv_blocks=32, dtype='float32')\n"
-        "print(json.dumps(llm.engine.runner.pids), flush=True)\n"
+        "print(json.dumps(llm.engine.executor.pids), flush=True)\n"
         "time.sleep(120)\n")
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                             cwd=Path(__file__).resolve().parents[1])
@@ -222,7 +222,7 @@ def test_step_after_failure_raises_at_once(llama_ckpt):
     """A rank that dies while the engine is idle: the next step fails fast, naming the rank."""
     llm = LLM(str(llama_ckpt), dtype="float32", tensor_parallel_size=2, num_kv_blocks=32)
     try:
-        pid = llm.engine.runner.pids[0]
+        pid = llm.engine.executor.pids[0]
         os.kill(pid, signal.SIGTERM)
         start = time.monotonic()
         with pytest.raises(TensorParallelError, match=f"rank 1 \\(pid {pid}\\) was killed by SIGTERM"):

@@ -30,7 +30,7 @@ async def test_a_job_failing_the_engine_step_is_failed_alone(llama_ckpt, redis_u
     r = redis.Redis.from_url(redis_url)
     async with running_worker(llama_ckpt, redis_url) as worker, AsyncClient(redis_url) as client:
         engine = worker.engine.engine
-        engine.runner = PoisonedRunner(engine.runner, {"poison"}, after=3)
+        engine.executor = PoisonedRunner(engine.executor, {"poison"}, after=3)
         ids = [await client.submit(p, params=GOOD) for p in PROMPTS[:2]]
         await client.submit("the poison", id="poison", params=GOOD)
         ids.append(await client.submit(PROMPTS[2], params=GOOD))
