@@ -166,7 +166,8 @@ async def test_the_live_workers_are_read_again_after_half_a_second(r: aioredis.R
     assert await router.route(JOB) == lane(JOB, "shared")  # not looked again yet
     await anyio.sleep(0.6)
     assert await router.route(JOB) == Route(NAMES.worker_requests("w-a"), None, "hit", "w-a")
-    assert router.outcomes == {"session": 0, "hit": 1, "miss": 0, "fallback": 0, "shared": 2, "balanced": 0}
+    assert router.outcomes == {"session": 0, "hit": 1, "miss": 0, "fallback": 0, "shared": 2, "balanced": 0,
+                               "adapter": 0}
 
 
 VIEWS = [WorkerView(f"w{i}", i / 10) for i in range(10)]
