@@ -36,12 +36,6 @@ class LoRABatch:
             from streamer_kernels.lora_triton import lora_add
 
             return lora_add(x.reshape(-1, x.shape[-1]), y, slots, a, b)
-        # One thread: these products are tiny, and an OpenMP team's fork and barrier cost more than
-        # their arithmetic (on the 2-core machine, shared, a module's adapter products measured 0.7 ms
-        # on one thread against 3.4 ms on two). The setting is the calling thread's (OpenMP's ICV).
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return lora_add_segmented(x, y, a, b, segments)
-        finally:
-            torch.set_num_threads(threads)
+        # (Running these tiny products on one thread, torch.set_num_threads around them, measured
+        # faster alone but made whole steps ~2.7 s: changing the thread count rebuilds thread pools.)
+        return lora_add_segmented(x, y, a, b, segments)
