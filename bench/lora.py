@@ -1,15 +1,24 @@
-"""Multi-LoRA throughput: a batch mixing 4 adapters against the base model alone, in the same run.
+"""Multi-LoRA throughput: batches mixing 4 adapters against the base model alone, in the same run.
 
-    python -m bench.lora [--model DIR] [--dtype bfloat16] [--rank 16] [--repeats 2] [--workload main]
+    python -m bench.lora [--model DIR] [--dtype bfloat16] [--rank 16] [--rounds 5] [--repeats 1]
+                         [--workload main] [--requests 64] [--skip-workload]
 
-The anchors' `main` workload (64 requests, prompts around 100 tokens, 32-256 output tokens each,
-greedy, ignore_eos: bench/harness/workload.py) runs on the built-in SmolLM2-135M-Instruct (or --model)
-three ways, alternating, `--repeats` times, the prefix cache reset before each: every request on the
-base model; every request under one of 4 adapters (request i under adapter i mod 4); and base and the
-4 adapters mixed (i mod 5). The adapters are random PEFT adapters of rank --rank on all seven
-projections (q, k, v, o, gate, up, down), built here with `peft` (installed with the test extras).
-Prints output tok/s (median of the repeats) and each LoRA run's ratio to the base run (the goal: within
-15%, ratio >= 0.85).
+Two measures, each alternating the three ways of running the same requests: every request on the base
+model (`base`); every request under one of 4 adapters, request i under adapter i mod 4 (`4 adapters`);
+base and the 4 adapters mixed, i mod 5 (`4 adapters + base`). The adapters are random PEFT adapters
+of rank --rank on all seven projections (q, k, v, o, gate, up, down), built here with `peft`
+(installed with the test extras), on the built-in SmolLM2-135M-Instruct (or --model).
+
+1. Decode steps (the part the adapters cost most, and robust on a shared machine): the anchors'
+   first 64 `main` prompts admitted together and prefilled, then 16 decode steps of the 64-sequence
+   batch timed; the three ways alternate `--rounds` times, so a change of load on the machine falls on
+   all three alike. Median step time and its tok/s (64 tokens a step).
+2. The workload (`--skip-workload` leaves it out): the anchors' `main` (64 requests, prompts around 100
+   tokens, 32-256 output tokens, greedy, ignore_eos; bench/harness/workload.py), or its first
+   --requests, submitted at once, output tok/s of the whole batch; the three ways alternate
+   `--repeats` times, the prefix cache reset before each.
+
+Each LoRA way's ratio to `base` is printed (the goal: within 15%, ratio >= 0.85).
 """
 
 from __future__ import annotations
@@ -22,7 +31,6 @@ from pathlib import Path
 
 import torch
 
-from bench.harness.machine import wait_quiet
 from bench.harness.workload import ANCHOR_WORKLOADS
 from streamer import LLM, SamplingParams
 from streamer.lora import LoRARequest
@@ -30,11 +38,13 @@ from workers.default_model import resolve_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 NUM_ADAPTERS = 4
+DECODE_BATCH = 64
+DECODE_STEPS = 16
 
 
 def build_adapters(model: Path, out: Path, rank: int) -> list[LoRARequest]:
-    """Random PEFT adapters (B is zero at PEFT's default init: a real adapter's B is not, and the
-    product runs either way, but random weights keep the outputs honest about being adapted)."""
+    """Random PEFT adapters (PEFT's default init leaves B at zero; random weights keep the outputs
+    honest about being adapted, and the products cost the same either way)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -53,8 +63,31 @@ def build_adapters(model: Path, out: Path, rank: int) -> list[LoRARequest]:
     return loras
 
 
-def run_once(llm: LLM, reqs: list[dict], loras: list[LoRARequest | None]) -> tuple[float, int]:
-    """Output tok/s of the whole batch submitted at once, and the output tokens (checked)."""
+def decode_step_s(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | None], tag: str) -> float:
+    """Median time of a decode step of the whole batch (prefilled first, aborted after)."""
+    engine = llm.engine
+    engine.scheduler.block_manager.reset_prefix_cache()
+    params = SamplingParams(max_tokens=DECODE_STEPS + 8, temperature=0, ignore_eos=True)
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for i, (rid, prompt) in enumerate(zip(ids, prompts)):
+        engine.add_request(rid, prompt, params, lora_request=loras[i % len(loras)])
+    sched = engine.scheduler
+    while len(sched.waiting) or any(s.num_computed_tokens < s.num_tokens - 1 for s in sched.running):
+        engine.step()
+    engine.step()  # the first step with every sequence decoding
+    times = []
+    for _ in range(DECODE_STEPS):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    for rid in ids:
+        engine.abort_request(rid)
+    engine.step()
+    return statistics.median(times)
+
+
+def workload_tps(llm: LLM, reqs: list[dict], loras: list[LoRARequest | None]) -> float:
+    """Output tok/s of the whole batch submitted at once (every request's length checked)."""
     llm.engine.scheduler.block_manager.reset_prefix_cache()
     params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0, ignore_eos=True) for r in reqs]
     per_request = [loras[i % len(loras)] for i in range(len(reqs))]
@@ -63,7 +96,19 @@ def run_once(llm: LLM, reqs: list[dict], loras: list[LoRARequest | None]) -> tup
     elapsed = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert tokens == sum(r["max_tokens"] for r in reqs), "a request ended early"
-    return tokens / elapsed, tokens
+    return tokens / elapsed
+
+
+def report(title: str, results: dict[str, list[float]], unit: str, to_tps: float = 0.0) -> None:
+    base = statistics.median(results["base"])
+    print(f"\n{title}")
+    print(f"{'run':>22} | {unit:>12} | {'tok/s':>8} | vs base | all")
+    for name, values in results.items():
+        median = statistics.median(values)
+        tps = to_tps / median if to_tps else median
+        ratio = base / median if to_tps else median / base
+        shown = ", ".join(f"{v * 1000:.1f}" if to_tps else f"{v:.1f}" for v in values)
+        print(f"{name:>22} | {median * 1000 if to_tps else median:12.1f} | {tps:8.1f} | {ratio:7.3f} | {shown}")
 
 
 def main() -> None:
@@ -71,34 +116,40 @@ def main() -> None:
     ap.add_argument("--model", default="", help="checkpoint folder (default: the built-in SmolLM2-135M-Instruct)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5, help="decode measure: alternations of the three ways")
+    ap.add_argument("--repeats", type=int, default=1, help="workload measure: alternations of the three ways")
     ap.add_argument("--workload", default="main", choices=sorted(ANCHOR_WORKLOADS))
-    ap.add_argument("--no-wait", action="store_true", help="do not wait for an idle CPU before each run")
+    ap.add_argument("--requests", type=int, default=0, help="run the workload's first N requests (0: all)")
+    ap.add_argument("--skip-workload", action="store_true")
     args = ap.parse_args()
     model = resolve_model(args.model or None)
     reqs = ANCHOR_WORKLOADS[args.workload]()
+    reqs = reqs[:args.requests] if args.requests else reqs
+    decode_prompts = [r["prompt"] for r in ANCHOR_WORKLOADS["main"]()[:DECODE_BATCH]]
     with tempfile.TemporaryDirectory() as tmp:
         adapters = build_adapters(model, Path(tmp), args.rank)
         llm = LLM(str(model), dtype=args.dtype, max_loras=NUM_ADAPTERS, max_lora_rank=args.rank)
-        # Warm-up: every adapter read and put in its slot, first-call costs paid, outside the timings.
-        llm.generate([[1, 2, 3, 4]] * (NUM_ADAPTERS + 1), SamplingParams(max_tokens=4, ignore_eos=True),
-                     lora_request=[*adapters, None])
-        runs = {"base": [None], f"{NUM_ADAPTERS} adapters": list(adapters),
+        ways = {"base": [None], f"{NUM_ADAPTERS} adapters": list(adapters),
                 f"{NUM_ADAPTERS} adapters + base": [*adapters, None]}
-        results: dict[str, list[float]] = {name: [] for name in runs}
+        # Warm-up: every adapter read and in its slot, the batch shapes' first-call costs paid, untimed.
+        for name, loras in ways.items():
+            decode_step_s(llm, decode_prompts, loras, f"warm-{name}")
+        steps: dict[str, list[float]] = {name: [] for name in ways}
+        for r in range(args.rounds):
+            for name, loras in ways.items():
+                steps[name].append(decode_step_s(llm, decode_prompts, loras, f"{r}-{name}"))
+            print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1] * 1000:.1f} ms" for n, v in steps.items()), flush=True)
+        report(f"decode steps of {DECODE_BATCH} sequences, {model.name}, {args.dtype}, rank {args.rank}, "
+               f"medians of {args.rounds} rounds x {DECODE_STEPS} steps:", steps, "step ms", DECODE_BATCH)
+        if args.skip_workload:
+            return
+        tps: dict[str, list[float]] = {name: [] for name in ways}
         for repeat in range(args.repeats):
-            for name, loras in runs.items():
-                idle = None if args.no_wait else wait_quiet(timeout=30)
-                tps, tokens = run_once(llm, reqs, loras)
-                results[name].append(tps)
-                print(f"repeat {repeat + 1} {name:>20}: {tps:8.1f} tok/s ({tokens} tokens"
-                      + (f", CPU idle {idle:.0%} before" if idle is not None else "") + ")", flush=True)
-    base = statistics.median(results["base"])
-    print(f"\n{args.workload}, {model.name}, {args.dtype}, rank {args.rank}, medians of {args.repeats}:")
-    print(f"{'run':>22} | {'tok/s':>8} | vs base")
-    for name, values in results.items():
-        median = statistics.median(values)
-        print(f"{name:>22} | {median:8.1f} | {median / base:.3f}")
+            for name, loras in ways.items():
+                tps[name].append(workload_tps(llm, reqs, loras))
+                print(f"repeat {repeat + 1} {name}: {tps[name][-1]:.1f} tok/s", flush=True)
+        report(f"{args.workload} ({len(reqs)} requests, {sum(r['max_tokens'] for r in reqs)} output tokens), "
+               f"medians of {args.repeats}:", tps, "tok/s")
 
 
 if __name__ == "__main__":
