@@ -51,12 +51,14 @@ def steps(smoke: bool, cuda: bool) -> list[Step]:
     if cuda:
         files = ["attention", "elementwise", "backend", "e2e", "window"]
         # The graph test alone from its file: the file's other cases need the interpreter, off here.
-        graphs = "tests/test_decode_graphs.py::test_captured_graph_replays_the_eager_decode"
-        kernel_tests = Step("kernel tests (CUDA)", pytest + [f"tests/test_kernels_{f}.py" for f in files] + [graphs],
+        graphs = "tests/engine/test_decode_graphs.py::test_captured_graph_replays_the_eager_decode"
+        kernel_tests = Step("kernel tests (CUDA)",
+                            pytest + [f"tests/kernels/test_kernels_{f}.py" for f in files] + [graphs],
                             150, env={"STREAMER_TEST_CUDA": "1"})
     else:
         kernel_tests = Step("kernel tests (interpreter)",
-                            pytest + ["tests/test_kernels_elementwise.py", "tests/test_kernels_backend.py"], 120)
+                            pytest + ["tests/kernels/test_kernels_elementwise.py",
+                                      "tests/kernels/test_kernels_backend.py"], 120)
     return [
         kernel_tests,
         Step("kernel bandwidth", [py, "-m", "bench.kernel_speed", *mode], 120, summarize=kernel_summary),

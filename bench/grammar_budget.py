@@ -14,7 +14,7 @@ sees them:
 Reported: the victims' inter-token gap (median, p99) in each phase and their ratio, the plain
 request's first token, and what each hostile request got. Before the budgets the grammar's masks
 were filled on the step (every stream waited for them) and compiles ran on the tokenizing thread
-(the plain request waited for all three). tests/test_grammar_budgets.py runs the same phases.
+(the plain request waited for all three). tests/engine/test_grammar_budgets.py runs the same phases.
 """
 
 from __future__ import annotations

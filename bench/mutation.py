@@ -71,60 +71,74 @@ class Target:
     tests: tuple[str, ...]  # test files (globs) that exercise it and run in seconds; missing ones are skipped
 
 
-ENGINE_TESTS = ("tests/test_block_manager.py", "tests/test_scheduler*.py", "tests/test_kv_sharing.py",
-                "tests/test_prefix_cache*.py", "tests/test_engine_boundaries.py")
+ENGINE_TESTS = ("tests/engine/test_block_manager.py", "tests/engine/test_scheduler*.py",
+                "tests/engine/test_kv_sharing.py", "tests/engine/test_prefix_cache*.py",
+                "tests/engine/test_engine_boundaries.py")
 
 TARGETS: dict[str, Target] = {
     "block_manager": Target("streamer/block_manager.py", ENGINE_TESTS),
     # The update step applies beam search's decisions (forks, parking, finishing): beam tests too.
-    "scheduler": Target("streamer/scheduler.py", (*ENGINE_TESTS, "tests/test_beam_search.py")),
+    "scheduler": Target("streamer/scheduler.py", (*ENGINE_TESTS, "tests/engine/test_beam_search.py")),
     # Text, stop strings and deltas on the engine's output side.
     "output_processor": Target("streamer/output_processor.py", (
-        "tests/test_output_processor.py", "tests/test_detokeniz*.py", "tests/test_stop*.py", "tests/test_sampling.py",
-        "tests/test_logprobs.py", "tests/test_engine_boundaries.py", "tests/test_beam_search.py",
-        "tests/test_fault_isolation.py")),  # a failed request's held-back text and final output
-    "sampler": Target("streamer/sampler.py", ("tests/test_sampler_rules.py", "tests/test_sampler_reference.py",
-                                               "tests/test_sampling.py", "tests/test_logprobs.py")),
-    "detokenizer": Target("streamer/detokenizer.py", ("tests/test_detokeniz*.py", "tests/test_sampling.py")),
-    "stop_checker": Target("streamer/stop_checker.py", ("tests/test_stop*.py", "tests/test_sampling.py",
-                                                         "tests/test_engine_boundaries.py",
-                                                         "tests/test_async_engine.py")),
+        "tests/engine/test_output_processor.py", "tests/engine/test_detokeniz*.py", "tests/engine/test_stop*.py",
+        "tests/engine/test_sampling.py",
+        "tests/engine/test_logprobs.py", "tests/engine/test_engine_boundaries.py", "tests/engine/test_beam_search.py",
+        "tests/engine/test_fault_isolation.py")),  # a failed request's held-back text and final output
+    "sampler": Target("streamer/sampler.py", ("tests/engine/test_sampler_rules.py",
+                                              "tests/engine/test_sampler_reference.py",
+                                               "tests/engine/test_sampling.py", "tests/engine/test_logprobs.py")),
+    "detokenizer": Target("streamer/detokenizer.py", ("tests/engine/test_detokeniz*.py",
+                                                      "tests/engine/test_sampling.py")),
+    "stop_checker": Target("streamer/stop_checker.py", ("tests/engine/test_stop*.py", "tests/engine/test_sampling.py",
+                                                         "tests/engine/test_engine_boundaries.py",
+                                                         "tests/engine/test_async_engine.py")),
     # EventWriter is driven directly (batching, waits, acks, dropped connections, cancellation, refusals)
     # by test_redis_contract.py, which also runs a real worker through it. The end-to-end worker files
     # kill nothing more here and cost ~20 s for each mutant that survives.
-    "event_writer": Target("workers/worker/event_writer.py", ("tests/test_redis_contract.py",)),
+    "event_writer": Target("workers/worker/event_writer.py", ("tests/clients/test_redis_contract.py",)),
     # protocol.py is pure (names, job checks, event encoding), checked case by case in test_protocol.py.
     # The worker files reach it through a worker process per test, ~20 s for each surviving mutant;
     # what survives this selection is equivalent (docs/testing.md), so they could kill nothing more.
-    "protocol": Target("clients/protocol.py", ("tests/test_protocol.py",)),
+    "protocol": Target("clients/protocol.py", ("tests/clients/test_protocol.py",)),
     # resume.py is a pure fold of an events stream, checked case by case in test_protocol.py. The worker
     # files call it for every job, and under the fork server a mutant's tests run in no set order: a
     # worker test that goes first waits out its own timeouts (the mutant then ends as a "timeout" and
     # leaves its redis-server behind) where the fold's own test fails in a millisecond.
-    "resume": Target("clients/resume.py", ("tests/test_protocol.py", "tests/test_serving_boundaries.py")),
+    "resume": Target("clients/resume.py", ("tests/clients/test_protocol.py",
+                                           "tests/gateway/test_serving_boundaries.py")),
     # --- the serving layer (issue 43). Unit-level files first in each list: a broken mutant fails
     # there in milliseconds; the worker/gateway files that follow run real processes (seconds).
     # Stream names, lanes and their cutoffs: pure, plus a submit at a cutoff against Redis.
-    "names": Target("clients/names.py", ("tests/test_names.py", "tests/test_protocol.py",
-                                         "tests/test_serving_boundaries.py", "tests/test_routing.py")),
+    "names": Target("clients/names.py", ("tests/clients/test_names.py", "tests/clients/test_protocol.py",
+                                         "tests/gateway/test_serving_boundaries.py", "tests/clients/test_routing.py")),
     # The routing decision (pure functions) and the take script that charges tenants.
-    "routing": Target("clients/routing.py", ("tests/test_routing.py", "tests/test_routing_spec.py",
-                                             "tests/test_router.py", "tests/test_serving_boundaries.py")),
-    "accounting": Target("workers/worker/accounting.py", ("tests/test_accounting.py", "tests/test_routing.py",
-                                                          "tests/test_serving_boundaries.py")),
-    "streams": Target("workers/worker/streams.py", ("tests/test_stream_set.py", "tests/test_serving_boundaries.py")),
+    "routing": Target("clients/routing.py", ("tests/clients/test_routing.py", "tests/clients/test_routing_spec.py",
+                                             "tests/clients/test_router.py",
+                                             "tests/gateway/test_serving_boundaries.py")),
+    "accounting": Target("workers/worker/accounting.py", ("tests/worker/test_accounting.py",
+                                                          "tests/clients/test_routing.py",
+                                                          "tests/gateway/test_serving_boundaries.py")),
+    "streams": Target("workers/worker/streams.py", ("tests/worker/test_stream_set.py",
+                                                    "tests/gateway/test_serving_boundaries.py")),
     # A job's life in the worker: deliveries, dead letters, bad jobs, its answer.
-    "job": Target("workers/worker/job.py", ("tests/test_worker_deliveries.py", "tests/test_worker_bad_input.py",
-                                            "tests/test_dead_letters.py")),
-    "intake": Target("workers/worker/intake.py", ("tests/test_worker_deliveries.py", "tests/test_worker_bad_input.py")),
+    "job": Target("workers/worker/job.py", ("tests/worker/test_worker_deliveries.py",
+                                            "tests/worker/test_worker_bad_input.py",
+                                            "tests/worker/test_dead_letters.py")),
+    "intake": Target("workers/worker/intake.py", ("tests/worker/test_worker_deliveries.py",
+                                                  "tests/worker/test_worker_bad_input.py")),
     # test_adoption.py: jobs routed to a dead or stalled worker taken over, a dead worker's stream removed.
-    "reclaim": Target("workers/worker/reclaim.py", ("tests/test_adoption.py", "tests/test_worker_deliveries.py",
-                                                    "tests/test_bounded_redis.py")),
+    "reclaim": Target("workers/worker/reclaim.py", ("tests/worker/test_adoption.py",
+                                                    "tests/worker/test_worker_deliveries.py",
+                                                    "tests/clients/test_bounded_redis.py")),
     # The gateway, with the worker's side played by the tests (no model) except test_openai_api.py.
-    "admission": Target("workers/gateway/admission.py", ("tests/test_admission.py", "tests/test_gateway_limits.py")),
-    "tenants": Target("workers/gateway/tenants.py", ("tests/test_tenant_rules.py", "tests/test_gateway_tenants.py")),
-    "session": Target("workers/gateway/session.py", ("tests/test_gateway.py", "tests/test_gateway_limits.py")),
-    "openai_routes": Target("workers/gateway/openai/routes.py", ("tests/test_openai_api.py",)),
+    "admission": Target("workers/gateway/admission.py", ("tests/gateway/test_admission.py",
+                                                         "tests/gateway/test_gateway_limits.py")),
+    "tenants": Target("workers/gateway/tenants.py", ("tests/gateway/test_tenant_rules.py",
+                                                     "tests/gateway/test_gateway_tenants.py")),
+    "session": Target("workers/gateway/session.py", ("tests/gateway/test_gateway.py",
+                                                     "tests/gateway/test_gateway_limits.py")),
+    "openai_routes": Target("workers/gateway/openai/routes.py", ("tests/gateway/test_openai_api.py",)),
 }
 
 

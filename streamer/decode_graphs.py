@@ -8,7 +8,7 @@ dummies: token 0 at position 0, KV slot -1 (the cache write skips a negative slo
 nowhere), a context of one position in block 0 (read, never written), so every kernel has valid
 work and the real rows compute exactly what they would alone. Prefill, mixed steps and batches past
 the largest bucket run eagerly. Everything here but `torch.cuda.graph` capture and replay is plain
-tensor code, tested on the CPU by running the padded step eagerly (tests/test_decode_graphs.py).
+tensor code, tested on the CPU by running the padded step eagerly (tests/engine/test_decode_graphs.py).
 """
 
 from __future__ import annotations

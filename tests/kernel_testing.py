@@ -1,4 +1,4 @@
-"""Shared by the tests/test_kernels*.py files: devices, tolerances, and poisoned paged-cache inputs."""
+"""Shared by the tests/kernels/test_kernels*.py files: devices, tolerances, and poisoned paged-cache inputs."""
 
 from __future__ import annotations
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from families import FAMILIES
+from parity import hf_greedy, parity_prompts
 from safetensors import safe_open
 
 from streamer import LLM, SamplingParams
 from streamer.architectures import SUPPORTED_ARCHITECTURES
 from streamer.model_config import ModelConfig, UnsupportedModelError
 from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
-from tests.parity import hf_greedy, parity_prompts
 
 BUDGETS = (12, 6, 9)
 

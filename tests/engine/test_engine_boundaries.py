@@ -7,12 +7,12 @@ import random
 from pathlib import Path
 
 import pytest
+from parity import hf_greedy
+from test_block_manager import make_seq, model_output, step
 
 from streamer import LLM, SamplingParams
 from streamer.request import SeqStatus, Sequence
 from streamer.scheduler import Scheduler, SchedulerConfig
-from tests.parity import hf_greedy
-from tests.test_block_manager import make_seq, model_output, step
 
 MAX_LEN = 48
 UNBOUNDED = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)

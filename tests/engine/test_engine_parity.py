@@ -4,9 +4,9 @@ batches: mixed prefill/decode steps, chunked prompts, preemption, several block 
 from __future__ import annotations
 
 import pytest
+from parity import MAX_TOKENS, hf_greedy, parity_prompts
 
 from streamer import LLM, SamplingParams
-from tests.parity import MAX_TOKENS, hf_greedy, parity_prompts
 
 
 def run_engine(ckpt, prompts, **engine_kwargs):

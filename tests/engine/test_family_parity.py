@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 from families import FAMILIES
 from kernel_testing import INTERPRET
+from parity import hf_greedy, parity_prompts
+from test_engine_parity import reference, run_engine
+from test_logprobs import assert_entries_match, hf_logprobs
+from test_tensor_parallel import MAX_TOKENS as TP_MAX_TOKENS
+from test_tensor_parallel import PROMPT_LENGTHS, two_rounds
 
 from streamer import LLM, SamplingParams
 from streamer.random_checkpoint import build_checkpoint
-from tests.parity import hf_greedy, parity_prompts
-from tests.test_engine_parity import reference, run_engine
-from tests.test_logprobs import assert_entries_match, hf_logprobs
-from tests.test_tensor_parallel import MAX_TOKENS as TP_MAX_TOKENS
-from tests.test_tensor_parallel import PROMPT_LENGTHS, two_rounds
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -48,7 +48,7 @@ def total_memory() -> int:
 # them without growing at all.
 _PEAKS = """
 import json, sys, torch
-from tests.test_kv_cache_sizing import runner
+from test_kv_cache_sizing import runner
 heavy = runner(sys.argv[1], max_num_seqs=256, max_num_batched_tokens=2048)
 peak = heavy.profile_forward_peak()
 light = runner(sys.argv[1], max_num_seqs=1, max_num_batched_tokens=16).profile_forward_peak()
@@ -57,7 +57,7 @@ print(json.dumps([peak, light, heavy.key_caches[0].shape[0]]))
 
 
 def test_profiling_forward_peak_is_measured_and_grows_with_the_token_budget(wide_vocab_ckpt: Path) -> None:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-c", _PEAKS, str(wide_vocab_ckpt)], cwd=root, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
     assert done.returncode == 0, done.stderr[-2000:]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from test_block_manager import make_seq, take_prefix
 
 from streamer import LLM, SamplingParams
 from streamer.block_manager import BlockManager
-from tests.test_block_manager import make_seq, take_prefix
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
 

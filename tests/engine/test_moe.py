@@ -10,13 +10,13 @@ import pytest
 import torch
 from families import FAMILIES
 from kernel_testing import rel_err
+from parity import parity_prompts
 from streamer_kernels.grouped_gemm import grouped_mm, grouped_mm_ref
 
 from streamer import LLM, SamplingParams
 from streamer.attention.torch_backend import TorchBackend
 from streamer.layers.moe import Experts
 from streamer.random_checkpoint import build_checkpoint
-from tests.parity import parity_prompts
 
 MOE_FAMILIES = ["qwen3_moe", "mixtral"]
 

@@ -7,13 +7,13 @@ against the tokenizer's full decode, as in test_detokenizer.py.
 from __future__ import annotations
 
 import pytest
+from test_detokenizer import PROMPT, TEXT
 
 from streamer.output_processor import OutputProcessor
 from streamer.random_checkpoint import build_tokenizer
 from streamer.request import Request, SeqStatus, Sequence
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler_output import BeamResult, SeqUpdate, StepUpdates
-from tests.test_detokenizer import PROMPT, TEXT
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 from families import phi3_spec
+from parity import hf_greedy, parity_prompts
 
 from streamer import LLM, SamplingParams
 from streamer.random_checkpoint import build_checkpoint
-from tests.parity import hf_greedy, parity_prompts
 
 ORIGINAL = 64
 

@@ -13,9 +13,9 @@ import random
 from pathlib import Path
 
 import pytest
+from parity import hf_greedy
 
 from streamer import LLM, SamplingParams
-from tests.parity import hf_greedy
 
 BS = 16
 MAX_TOKENS = 8

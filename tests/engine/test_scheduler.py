@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_block_manager import make_seq, step
 
 from streamer.errors import QueueFullError
 from streamer.request import Request, SeqStatus, Sequence
@@ -12,7 +13,6 @@ from streamer.sampler import SamplerOutput
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler import Scheduler, SchedulerConfig
 from streamer.waiting_queue import WaitingQueue
-from tests.test_block_manager import make_seq, step
 
 BS = 4
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from parity import hf_greedy
+from test_block_manager import step
 
 from streamer import LLM, SamplingParams
 from streamer.request import Request, SeqStatus, Sequence
 from streamer.sampler import SamplerOutput
 from streamer.scheduler import Scheduler, SchedulerConfig
-from tests.parity import hf_greedy
-from tests.test_block_manager import step
 
 BS = 4
 

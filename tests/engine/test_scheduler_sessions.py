@@ -8,13 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from parity import hf_greedy
+from test_block_manager import step
 
 from streamer import LLM, AsyncEngine, SamplingParams
 from streamer.request import Sequence
 from streamer.scheduler import Scheduler, SchedulerConfig
 from streamer.waiting_queue import AttainedService, WaitingQueue
-from tests.parity import hf_greedy
-from tests.test_block_manager import step
 
 BS = 4
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 from kernel_testing import INTERPRET
+from parity import hf_greedy, parity_prompts
+from test_engine_parity import reference, run_engine
 
 from streamer import LLM, SamplingParams
 from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
-from tests.parity import hf_greedy, parity_prompts
-from tests.test_engine_parity import reference, run_engine
 
 SPECS = {
     "mistral": TinyModelSpec(arch="mistral", extra={"sliding_window": 16}),

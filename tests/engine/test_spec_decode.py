@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from parity import hf_greedy, parity_prompts
+from test_fault_isolation import PoisonedRunner
+from test_fault_isolation import run as run_steps
 
 from streamer import LLM, SamplingParams
 from streamer.errors import ConfigError
@@ -17,9 +20,6 @@ from streamer.request import Sequence
 from streamer.sampler import Sampler
 from streamer.spec_decode.config import SpeculativeConfig
 from streamer.spec_decode.ngram_proposer import NgramProposer
-from tests.parity import hf_greedy, parity_prompts
-from tests.test_fault_isolation import PoisonedRunner
-from tests.test_fault_isolation import run as run_steps
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 
@@ -239,9 +239,9 @@ async def test_a_worker_started_with_speculative_config_streams_the_same_tokens_
     import json
 
     from redis_worker_helpers import read_events, tokens_of, wait_for, worker_process
+    from test_worker_metrics import scrape, value
 
     from clients.redis_client import AsyncClient
-    from tests.test_worker_metrics import scrape, value
     from workers.redis_server import free_port
 
     prompt = looping_prompts(512)[-1]

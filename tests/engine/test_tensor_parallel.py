@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from parity import hf_greedy
 from redis_worker_helpers import NAMES, offline_tokens, tokens_of, wait_for, worker_process
 
 from clients.redis_client import AsyncClient
@@ -24,7 +25,6 @@ from streamer import LLM, AsyncEngine, EngineConfig, SamplingParams
 from streamer.distributed.rank_procs import RankProcesses
 from streamer.errors import EngineDeadError, TensorParallelError
 from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
-from tests.parity import hf_greedy
 
 # Many short prompts that all grow: 12 blocks of 16 slots cannot hold them, so some are preempted.
 PROMPT_LENGTHS = [1, 3, 14, 15, 15, 30, 40, 70]
@@ -184,7 +184,7 @@ def test_engine_process_killed_takes_its_ranks_along(llama_ckpt, tmp_path):
         "print(json.dumps(llm.engine.executor.pids), flush=True)\n"
         "time.sleep(120)\n")
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).resolve().parents[1])
+                            cwd=Path(__file__).resolve().parents[2])
     try:
         started, _, _ = select.select([proc.stdout], [], [], 120)
         assert started, "the engine process did not start its ranks within 120 s"

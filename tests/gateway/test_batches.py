@@ -236,7 +236,7 @@ async def _done_at_least(client: openai.AsyncOpenAI, batch_id: str, count: int) 
 @pytest.mark.anyio
 async def test_the_docs_example_runs_as_written(llama_ckpt: Path, redis_url: str) -> None:
     """docs/openai.md's Batch API example, with only the gateway's address changed."""
-    docs = (Path(__file__).resolve().parents[1] / "docs" / "openai.md").read_text()
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "openai.md").read_text()
     at = docs.index("## Batch API")
     start = docs.index("```python\n", at) + len("```python\n")
     code = docs[start:docs.index("```\n", start)]

@@ -621,7 +621,7 @@ async def test_js_client_reconnects_and_resumes_across_a_gateway_restart(redis_u
     """The gateway goes away mid-answer (tokens keep coming into Redis) and comes back on the same port:
     the JS client reconnects and resumes after the last seq it had, with nothing lost or repeated."""
     script = tmp_path / "reconnect.mjs"
-    client_url = (Path(__file__).resolve().parents[1] / "clients" / "web" / "streamer-client.js").as_uri()
+    client_url = (Path(__file__).resolve().parents[2] / "clients" / "web" / "streamer-client.js").as_uri()
     script.write_text(RECONNECT_SCRIPT % {"client": json.dumps(client_url)})
     r = aioredis.Redis.from_url(redis_url)
     first = running_gateway(config(redis_url))

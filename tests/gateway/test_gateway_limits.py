@@ -27,7 +27,7 @@ from workers.gateway.config import GatewayConfig, is_loopback
 from workers.gateway.server import running_gateway
 from workers.redis_server import RedisServer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 async def reply_to(ws: ClientConnection, frame: str | dict[str, Any]) -> dict[str, Any]:

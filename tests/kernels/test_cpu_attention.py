@@ -291,7 +291,7 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load(tmp_p
     (build_directory() / "lock").touch()
     code = "from streamer_kernels.cpu_extension import load; print(load() is not None)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         cwd=Path(__file__).resolve().parents[1])
+                         cwd=Path(__file__).resolve().parents[2])
     assert out.stdout.strip() == "True", out.stderr[-2000:]
 
 
@@ -302,7 +302,7 @@ def test_a_second_checkout_of_the_same_sources_reuses_the_build(tmp_path):
 
     load()
     clone = tmp_path / "elsewhere" / "kernels"
-    shutil.copytree(Path(__file__).resolve().parents[1] / "kernels", clone,
+    shutil.copytree(Path(__file__).resolve().parents[2] / "kernels", clone,
                     ignore=shutil.ignore_patterns("__pycache__"))
     code = """
 import importlib.util, logging, sys, time
@@ -316,7 +316,7 @@ built = cloned.load()
 print(cloned.build_directory() == cpu_extension.build_directory(), built is not None, time.monotonic() - start)
 """
     out = subprocess.run([sys.executable, "-c", code, str(clone / "cpu_extension.py")], capture_output=True, text=True,
-                         timeout=300, cwd=Path(__file__).resolve().parents[1])
+                         timeout=300, cwd=Path(__file__).resolve().parents[2])
     same_dir, loaded, seconds = out.stdout.split()
     assert (same_dir, loaded) == ("True", "True"), out.stderr[-2000:]
     assert "compiling" not in out.stderr, out.stderr[-2000:]

@@ -17,7 +17,7 @@ from workers.cli.main import COMMANDS, apply_env_defaults, command_parser, env_n
 from workers.errors import UserError
 from workers.redis_server import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def streamer(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:

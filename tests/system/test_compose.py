@@ -15,7 +15,7 @@ import yaml
 
 from workers.cli.main import ENV_PREFIX, command_parser, env_name, option_actions
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
 # Variables read outside argparse (workers/default_model.py, workers/cli/main.py).
 GLOBAL_ENV = {"STREAMER_CACHE", "STREAMER_DEBUG"}

@@ -61,7 +61,7 @@ def test_converted_checkpoint_is_a_normal_hf_directory(smollm2: Path) -> None:
 def test_conversion_shows_only_its_own_progress(tmp_path: Path, capfd, monkeypatch) -> None:
     """`streamer up` prints its phases; the GGUF reader's tqdm bar must not cut into them. Not on a
     terminal (here: captured), the de-quantizing bar is not drawn either: no escape codes, no line
-    of its own (tests/test_progress_display.py checks it on a terminal)."""
+    of its own (tests/system/test_progress_display.py checks it on a terminal)."""
     monkeypatch.delenv("STREAMER_PROGRESS", raising=False)
     steps: list[str] = []
     convert_gguf(find_gguf(), tmp_path / "model", progress=steps.append)

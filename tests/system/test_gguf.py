@@ -12,12 +12,12 @@ import pytest
 import torch
 from gguf_files import quantize_q4_k, quantize_q6_k, write_gguf
 from kernel_testing import rel_err
+from parity import hf_greedy, parity_prompts
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from streamer import LLM, SamplingParams
 from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
-from tests.parity import hf_greedy, parity_prompts
 from workers.default_model import gguf_model_dir, resolve_model
 from workers.errors import ModelNotFound
 

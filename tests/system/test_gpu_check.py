@@ -18,7 +18,7 @@ from packaging.utils import canonicalize_name
 
 from bench.gpu_check import Step, kernel_summary, run_step
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # The GPU image's Python packages, as issue 39 lists them; their own dependencies come with them.
 GPU_IMAGE = ["torch", "triton", "transformers", "msgpack", "anyio", "httpx", "prometheus-client"]

@@ -18,7 +18,7 @@ import yaml
 from clients.protocol import Names
 from workers.cli.top_data import Gatherer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
 KUBERNETES_VERSION = "1.33.0"

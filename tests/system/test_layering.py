@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("bench", "workers", "clients", "streamer", "streamer_kernels")
 # The folder of each package whose import name differs from it (pyproject.toml's package-dir).
 FOLDERS = {"streamer_kernels": "kernels"}

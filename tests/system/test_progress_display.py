@@ -21,7 +21,7 @@ import pytest
 
 from workers.progress_display import task
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 DONE = r"counting: 10/10 done in \d+\.\ds"
 # Half the work done, a pause long enough for the bar to be redrawn (4 times a second), a row printed

@@ -29,7 +29,7 @@ from workers.cli.top_data import TOKENS_FIELD, Gatherer, Rates
 from workers.cli.top_view import render
 from workers.redis_server import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOKS = re.compile(r"top-worker-1 .*%\s+\d+/128\s+[1-9][\d.,]*\s")  # the row, with a non-zero tokens/s after the KV bar
 NAMES = Names()
 

@@ -22,7 +22,7 @@ from workers.allocator import find_tcmalloc
 from workers.default_model import ensure_default_model
 from workers.redis_server import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def readme_block(after: str, lang: str) -> str:
 
 def check_readme_examples(redis_url: str) -> None:
     """The README's Python and redis-cli examples, as written with R set, answer the chat question
-    with the real model (tests/test_examples.py runs every example on the tiny one)."""
+    with the real model (tests/system/test_examples.py runs every example on the tiny one)."""
     import redis
 
     env = {**os.environ, "R": redis_url, "PYTHONPATH": str(ROOT)}

@@ -15,7 +15,7 @@ from redis_worker_helpers import worker_process
 from clients.protocol import Names
 from workers.allocator import find_tcmalloc
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Prints how often the program started and whether tcmalloc is mapped into it.
 PROGRAM = """
 import os, sys

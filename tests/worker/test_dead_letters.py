@@ -17,7 +17,7 @@ from redis_worker_helpers import check_complete, dead_letters, has_ended, read_e
 
 from clients.protocol import Names
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NAMES = Names()
 GREEDY = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
 

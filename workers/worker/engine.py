@@ -1,5 +1,5 @@
 """The worker's seam to the engine: exactly the methods it calls. `streamer.AsyncEngine` has them;
-tests/test_layering.py checks that its signatures match."""
+tests/system/test_layering.py checks that its signatures match."""
 
 from __future__ import annotations
 

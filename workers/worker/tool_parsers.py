@@ -4,7 +4,7 @@ One class per output format. Each parses a whole text (`parse`) and streams (`fe
 `finish`), handing out content deltas and tool-call deltas (`[{"index", "id", "type": "function",
 "function": {"name", "arguments"}}]`; a call's later deltas append argument text). Text that may be
 the start of a tag is held back until it is known not to be. Streaming any split of a text gives
-exactly its whole parse: tests/test_tool_parsers.py holds every parser to it, split at every character.
+exactly its whole parse: tests/worker/test_tool_parsers.py holds every parser to it, split at every character.
 
   hermes       Hermes / Qwen2.5: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, any
                number; text before them is content.
