@@ -59,7 +59,8 @@ print(json.dumps([peak, light, heavy.key_caches[0].shape[0]]))
 def test_profiling_forward_peak_is_measured_and_grows_with_the_token_budget(wide_vocab_ckpt: Path) -> None:
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-c", _PEAKS, str(wide_vocab_ckpt)], cwd=root, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              map(str, (root, root / "tests", Path(__file__).parent)))})
     assert done.returncode == 0, done.stderr[-2000:]
     peak, light, cache_blocks = json.loads(done.stdout.strip().splitlines()[-1])
     # 256 sampling sequences: their float32 logits [256, 32000] exist at once, a floor on the peak.
