@@ -148,9 +148,9 @@ TARGETS: dict[str, Target] = {
 def test_files(target: Target, rev: str | None = None) -> list[str]:
     """The test files of `target` that exist (in the work tree, or in commit `rev`)."""
     if rev is None:
-        existing = [str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("*.py")]
-    else:
-        existing = subprocess.run(["git", "ls-tree", "--name-only", rev, "tests/"], cwd=ROOT, check=True,
+        existing = [str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("*.py")]
+    else:  # -r: the test files sit in folders (tests/worker/, tests/gateway/, ...)
+        existing = subprocess.run(["git", "ls-tree", "-r", "--name-only", rev, "tests/"], cwd=ROOT, check=True,
                                   capture_output=True, text=True).stdout.split()
     files: list[str] = []
     for pattern in target.tests:
