@@ -121,8 +121,9 @@ TARGETS: dict[str, Target] = {
                                                           "tests/gateway/test_serving_boundaries.py")),
     "streams": Target("workers/worker/streams.py", ("tests/worker/test_stream_set.py",
                                                     "tests/gateway/test_serving_boundaries.py")),
-    # A job's life in the worker: deliveries, dead letters, bad jobs, its answer.
-    "job": Target("workers/worker/job.py", ("tests/worker/test_worker_deliveries.py",
+    # A job's life in the worker: deliveries, dead letters, bad jobs, its answer. test_job_runner.py
+    # first: a scripted engine (no model), so each edge fails in milliseconds.
+    "job": Target("workers/worker/job.py", ("tests/worker/test_job_runner.py", "tests/worker/test_worker_deliveries.py",
                                             "tests/worker/test_worker_bad_input.py",
                                             "tests/worker/test_dead_letters.py")),
     "intake": Target("workers/worker/intake.py", ("tests/worker/test_worker_deliveries.py",

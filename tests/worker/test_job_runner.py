@@ -1,0 +1,231 @@
+"""A job's path through the worker (workers/worker/job.py) at each edge the engine can put it on: a full
+queue (the job waits, still ours), a spec or prompt the engine refuses, an error output with and without
+its own code, a stream that ends unfinished, an engine that dies; and what the worker itself decides
+before the engine sees the job (deadlines, cancels, the checkpoint's defaults, a chat template that is
+missing) and writes after (usage, finish reasons, log-prob texts). The engine is scripted
+(tests/scripted_engine.py); Redis and the worker are real."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import anyio
+import pytest
+import redis
+from redis_worker_helpers import check_complete, dead_letters, has_ended, read_events, wait_for
+from scripted_engine import ScriptedEngine, answer, output, sample, scripted_worker
+
+from clients.loras import encode_entry
+from clients.protocol import Names
+from clients.redis_client import AsyncClient
+from streamer.errors import EngineDeadError, GrammarError, QueueFullError
+from streamer.lora import LoRARequest
+
+NAMES = Names()
+GREEDY = {"max_tokens": 8, "temperature": 0.0}
+TWO = {"max_tokens": 8, "temperature": 1.0, "n": 2}  # two samples
+
+
+async def served(engine: ScriptedEngine, redis_url: str, *jobs: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    """Each job (AsyncClient.submit's arguments) served to its end by a worker on `engine`: its events."""
+    async with scripted_worker(engine, redis_url), AsyncClient(redis_url) as client:
+        ids = [await client.submit(**{"params": GREEDY, **job}) for job in jobs]
+        await wait_for(lambda: all(has_ended(redis_url, rid) for rid in ids), timeout=10)
+    return [read_events(redis_url, rid) for rid in ids]
+
+
+def error_of(events: list[dict[str, Any]]) -> tuple[str, str]:
+    end = check_complete(events)
+    assert end["type"] == "error", end
+    return end["code"], end["message"]
+
+
+@pytest.mark.anyio
+async def test_a_full_queue_delays_the_job_and_the_engine_takes_it_later(redis_url: str) -> None:
+    engine = ScriptedEngine({"p": [[QueueFullError("full")], [QueueFullError("full")], answer("ab", (1, 2))]})
+    start = time.monotonic()
+    [events] = await served(engine, redis_url, {"prompt": "p", "id": "waits"})
+    assert [(e["type"], e["token_ids"], e["text"]) for e in events] == [
+        ("token", [1], "a"), ("token", [2], "b"), ("done", [], "")]
+    assert len(engine.calls) == 3 and engine.aborted == []  # refused twice, never dropped
+    assert time.monotonic() - start < 5  # backs off from 50 ms, not seconds
+    assert dead_letters(redis_url) == []
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("raised", "code"), [(GrammarError("bad regex '('"), "invalid_params"),
+                                               (ValueError("prompt too long: 99 > 64"), "invalid_request")])
+async def test_a_job_the_engine_refuses_is_answered_with_its_reason(redis_url: str, raised: Exception,
+                                                                     code: str) -> None:
+    engine = ScriptedEngine({"p": [[raised]]})
+    [events] = await served(engine, redis_url, {"prompt": "p", "id": "refused"})
+    assert error_of(events) == (code, str(raised))
+    assert engine.aborted == [] and len(engine.calls) == 1
+    assert dead_letters(redis_url) == []  # the client's own mistake: no operator's dead letter
+
+
+@pytest.mark.anyio
+async def test_an_error_output_ends_the_job_with_the_engines_code_or_internal(redis_url: str) -> None:
+    engine = ScriptedEngine({
+        "own": [[output(sample(0, "a", [1])), output(error="grammar over its budget", error_code="invalid_params")]],
+        "engine": [[output(error="step failed")]],
+    })
+    own, other = await served(engine, redis_url, {"prompt": "own", "id": "own"}, {"prompt": "engine", "id": "eng"})
+    assert [e["type"] for e in own] == ["token", "error"] and own[0]["token_ids"] == [1]
+    assert error_of(own) == ("invalid_params", "grammar over its budget")
+    assert error_of(other) == ("internal", "the engine could not run this request: step failed")
+    # Only the engine's fault is kept for the operator.
+    assert [(d["id"], d["reason"]) for d in dead_letters(redis_url)] == [(b"eng", b"internal")]
+    assert sorted(engine.closed) == ["eng", "own"]
+
+
+@pytest.mark.anyio
+async def test_a_stream_that_ends_unfinished_is_an_internal_error(redis_url: str) -> None:
+    engine = ScriptedEngine({"p": [[output(sample(0, "a", [1]))]]})
+    [events] = await served(engine, redis_url, {"prompt": "p", "id": "cut"})
+    assert error_of(events) == ("internal", "worker error: engine stream ended without a finished output")
+    assert events[0]["token_ids"] == [1]
+    assert [(d["id"], d["reason"]) for d in dead_letters(redis_url)] == [(b"cut", b"internal")]
+
+
+@pytest.mark.anyio
+async def test_an_engine_that_dies_stops_the_worker_and_leaves_the_job_for_another(redis_url: str) -> None:
+    engine = ScriptedEngine({"p": [[EngineDeadError("step loop crashed")]]})
+    r = redis.Redis.from_url(redis_url)
+    with pytest.raises(BaseException) as raised:  # the task group wraps it
+        async with scripted_worker(engine, redis_url) as worker, AsyncClient(redis_url) as client:
+            await client.submit("p", id="orphan", params=GREEDY)
+            with anyio.fail_after(10):
+                while not worker.stopping:
+                    await anyio.sleep(0.02)
+    assert "worker stopped: the engine failed (step loop crashed)" in repr(raised.value)
+    assert read_events(redis_url, "orphan") == []
+    assert dead_letters(redis_url) == []
+    assert r.xpending(NAMES.requests, NAMES.group)["pending"] == 1  # unacked: another worker resumes it
+    r.close()
+
+
+@pytest.mark.anyio
+async def test_a_deadline_passed_before_the_start_never_reaches_the_engine(redis_url: str) -> None:
+    engine = ScriptedEngine({"p": [answer()]})
+    past = int(time.time() * 1000) - 1000
+    [late, ok] = await served(engine, redis_url, {"prompt": "p", "id": "late", "deadline": past},
+                              {"prompt": "p", "id": "ok", "deadline": past + 60_000})
+    assert error_of(late) == ("expired", "the deadline passed before the job started")
+    assert check_complete(ok)["type"] == "done"
+    assert [c.request_id for c in engine.calls] == ["ok"]
+
+
+@pytest.mark.anyio
+async def test_a_deadline_that_passes_while_the_engine_queues_the_job_aborts_it(redis_url: str) -> None:
+    engine = ScriptedEngine({"slow": [[3.0, *answer()]]})
+    deadline = int(time.time() * 1000) + 700
+    [events] = await served(engine, redis_url, {"prompt": "slow", "id": "slow", "deadline": deadline})
+    assert error_of(events) == ("expired", "the deadline passed before the job started")
+    assert engine.aborted == ["slow"]
+    assert time.time() * 1000 - deadline < 2500  # answered at the deadline, not after the first output
+
+
+@pytest.mark.anyio
+async def test_a_job_cancelled_before_it_was_read_ends_aborted_without_running(redis_url: str) -> None:
+    engine = ScriptedEngine({"p": [answer()]})
+    async with AsyncClient(redis_url) as client:
+        await client.submit("p", id="gone", params=TWO)
+        await client.cancel("gone")
+        async with scripted_worker(engine, redis_url):
+            await client.submit("p", id="after", params=GREEDY)
+            await wait_for(lambda: has_ended(redis_url, "gone") and has_ended(redis_url, "after"), timeout=10)
+    end = check_complete(read_events(redis_url, "gone"))
+    assert (end["type"], end["finish_reasons"]) == ("done", ["abort", "abort"])
+    assert end["usage"] == {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+    assert [c.request_id for c in engine.calls] == ["after"]
+
+
+@pytest.mark.anyio
+async def test_the_done_event_counts_every_sample_and_names_unfinished_ones_abort(redis_url: str) -> None:
+    # Sample 1 never reports a finish reason: it is "abort". Sample 2 arrives only in the last output
+    # (as beams do): it is counted even though n is 2.
+    engine = ScriptedEngine({"p": [[
+        output(sample(0, "a", [1]), sample(1, "x", [4])),
+        output(sample(0, "b", [2], "stop"), sample(2, "yz", [5, 6], "length"), finished=True, cached=2),
+    ]]})
+    [events] = await served(engine, redis_url, {"prompt": "p", "id": "n", "params": TWO})
+    end = check_complete(events)
+    assert end["finish_reasons"] == ["stop", "abort", "length"]
+    assert end["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "cached_tokens": 2}
+    assert [(e["index"], e["token_ids"]) for e in events[:-1]] == [(0, [1]), (1, [4]), (0, [2]), (2, [5, 6])]
+
+
+@pytest.mark.anyio
+async def test_log_prob_pairs_carry_each_tokens_text(redis_url: str) -> None:
+    engine = ScriptedEngine({"p": [[output(sample(0, "a", [1], "stop", logprobs=[{1: -0.5, 9: -1.5}]),
+                                           finished=True)]]})
+    [events] = await served(engine, redis_url, {"prompt": "p", "id": "lp", "params": {**GREEDY, "logprobs": 1}})
+    token = events[0]
+    assert token["logprobs"] == [[[1, -0.5], [9, -1.5]]]
+    assert token["logprob_texts"] == [["<1>", "<9>"]]
+
+
+@pytest.mark.anyio
+async def test_the_engine_gets_the_jobs_priority_session_and_params_over_the_checkpoints(redis_url: str) -> None:
+    engine = ScriptedEngine({"p": [answer()]}, defaults={"temperature": 0.7, "top_k": 3})
+    await served(engine, redis_url, {"prompt": "p", "id": "j", "priority": -3, "session": "chat-1",
+                                     "params": {"temperature": 0.5, "max_tokens": 5}})
+    [call] = engine.calls
+    assert (call.request_id, call.priority, call.session, call.resume_token_ids) == ("j", -3, "chat-1", None)
+    assert (call.params.temperature, call.params.top_k, call.params.max_tokens) == (0.5, 3, 5)
+    assert call.prompt == "p" and call.lora_request is None
+
+
+@pytest.mark.anyio
+async def test_a_chat_job_without_a_chat_template_is_an_invalid_request(redis_url: str) -> None:
+    engine = ScriptedEngine({})
+    [events] = await served(engine, redis_url, {"messages": [{"role": "user", "content": "hi"}], "id": "chat"})
+    assert error_of(events) == ("invalid_request", "this checkpoint has no chat template")
+    assert engine.calls == []
+
+
+@pytest.mark.anyio
+async def test_checkpoint_defaults_that_do_not_hold_are_invalid_params(redis_url: str) -> None:
+    engine = ScriptedEngine({"p": [answer()]}, defaults={"top_p": 7.0})
+    [events] = await served(engine, redis_url, {"prompt": "p", "id": "bad"})
+    code, message = error_of(events)
+    assert code == "invalid_params" and "top_p" in message
+    assert engine.calls == []
+
+
+@pytest.mark.anyio
+async def test_a_job_whose_worker_died_as_it_entered_the_engine_runs_alone_once(
+        redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Its previous attempt entered the engine (the record in its fence hash, attempts.py) and wrote
+    nothing since. In company, it runs again, alone; alone, it is what kills workers: not handed on."""
+    caplog.set_level(logging.WARNING, logger="streamer.worker")
+    r = redis.Redis.from_url(redis_url)
+    for rid, alone in (("crowd", 0), ("lone", 1)):
+        r.hset(NAMES.fence(rid), mapping={"epoch": 1, "started": 1, "seq": 0, "alone": alone})
+    engine = ScriptedEngine({"p": [answer()]})
+    crowd, lone = await served(engine, redis_url, {"prompt": "p", "id": "crowd"}, {"prompt": "p", "id": "lone"})
+    assert check_complete(crowd)["type"] == "done"
+    assert error_of(lone) == ("crashed_worker", "the job was running alone in the engine when its worker died, "
+                              "before any output: it is not handed to another worker")
+    assert [c.request_id for c in engine.calls] == ["crowd"]
+    assert r.hget(NAMES.fence("crowd"), "alone") == b"1"  # this attempt is on record as a lone one
+    assert [(d["id"], d["reason"]) for d in dead_letters(redis_url)] == [(b"lone", b"crashed_worker")]
+    assert "request crowd: its worker died while it entered the engine; running it alone" in caplog.messages
+    r.close()
+
+
+@pytest.mark.anyio
+async def test_a_jobs_lora_adapter_is_read_from_the_registry(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    r.hset(NAMES.loras, "sql", encode_entry("/adapters/sql"))
+    engine = ScriptedEngine({"p": [answer()]})
+    known, unknown = await served(engine, redis_url, {"prompt": "p", "id": "known", "lora": "sql"},
+                                  {"prompt": "p", "id": "unknown", "lora": "nope"})
+    assert check_complete(known)["type"] == "done"
+    assert [c.lora_request for c in engine.calls] == [LoRARequest("sql", "/adapters/sql")]
+    assert error_of(unknown) == ("invalid_request", "unknown LoRA adapter 'nope': register it with "
+                                 "`streamer lora add NAME PATH` (see `streamer lora list`)")
+    r.close()
