@@ -76,11 +76,24 @@ class Names:
     def lane_for(self, priority: int) -> tuple[str, int]:
         """(stream, rank) of the lane a job of this priority waits in."""
         if priority >= BATCH_PRIORITY and self.shards == 1:
-            return f"{self.requests}:batch", BATCH_LANE_RANK
+            return self.lane(BATCH_LANE_RANK), BATCH_LANE_RANK
         for cutoff in self.lanes:
             if priority <= cutoff:
-                return f"{self.requests}:prio{cutoff}", cutoff
+                return self.lane(cutoff), cutoff
         return self.requests, DEFAULT_LANE_RANK
+
+    def lane(self, rank: int) -> str:
+        """The lane of a registry rank, whatever lanes this Names was given: a cutoff's (negative) lane,
+        the batch lane, or the default lane."""
+        if rank == BATCH_LANE_RANK:
+            return f"{self.requests}:batch"
+        return f"{self.requests}:prio{rank}" if rank < 0 else self.requests
+
+    @property
+    def lane_cursor(self) -> str:
+        """The last entry of the default lane whose priority the workers looked at (workers/worker/lanes.py:
+        raw jobs that belong in a lane are moved there)."""
+        return f"{self.requests}:sorted"
 
     @staticmethod
     def tenant_stream(lane: str, tenant: str) -> str:

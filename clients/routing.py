@@ -33,6 +33,7 @@ TEXT_CHUNK_CHARS = 256
 TOKEN_CHUNK_IDS = 64
 CHARS_PER_TOKEN = 4  # the weight of text in tokens, for comparing matches
 MAX_SEGMENTS = 64  # hashes sent per routed job (longer prompts are matched on their first part)
+MAX_LOAD = 1.5  # a worker has room for a routed job below this many jobs per seat (see `choose`)
 POLICIES = ("cache_load", "cache", "least_loaded", "random", "shared")
 # Outcomes counted by the gateway's metrics and shown by `streamer top`.
 # balanced: sent to a worker by load alone (the `random` and `least_loaded` baselines).
@@ -133,7 +134,7 @@ def matched_tokens(chain: list[Segment], held: list[Any]) -> int:
 
 
 def choose(policy: str, views: list[WorkerView], session_owner: str | None = None, *,
-           min_match_tokens: int = 64, max_load: float = 1.5, rng: random.Random | None = None) -> Decision:
+           min_match_tokens: int = 64, max_load: float = MAX_LOAD, rng: random.Random | None = None) -> Decision:
     """Where one job goes. A worker has room while its load is below `max_load`: above 1, routed jobs
     may queue for its seats (up to half as many again by default) rather than recompute their prefix
     elsewhere, since a freed seat there comes within one job's time. `cache_load`: the session's
@@ -251,7 +252,8 @@ class Router:
     async def _refresh(self) -> None:
         if time.monotonic() - self._read_at < self.refresh_s:
             return
-        stats = await live_worker_stats(self.redis, self.names, self._live)
+        # A draining worker (SIGTERM) reads no more jobs: nothing is routed to it.
+        stats = [w for w in await live_worker_stats(self.redis, self.names, self._live) if w.get("draining") != "1"]
         self._capacity = {w["name"]: max(1, int(w.get("max_num_seqs") or 1)) for w in stats}
         self._adapters = {w["name"]: frozenset(filter(None, str(w.get("loras") or "").split(","))) for w in stats}
         self._read_at = time.monotonic()

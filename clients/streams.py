@@ -17,7 +17,7 @@ class StreamInfo:
 
 
 def tenant_of(names: Names, stream: str, rank: int) -> str:
-    lane = names.requests if rank == DEFAULT_LANE_RANK else names.lane_for(rank)[0]
+    lane = names.lane(rank)
     prefix = f"{lane}:t:"
     return stream[len(prefix):] if stream.startswith(prefix) else ""
 

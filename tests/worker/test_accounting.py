@@ -1,5 +1,6 @@
 """What a worker's accounting writes to Redis in one flush (workers/worker/accounting.py): its stream's
-registration, its load, the sessions it now serves, the tenants' slots it frees, the charges, its
+registration, its load (not the sessions it serves: those are written when a job is taken, see
+test_raw_routing.py), the tenants' slots it frees, the charges, its
 advertised prefixes (added, dropped, expiring, written whole again), and what leaving removes. Real
 redis-server; the engine is stood in for by its two numbers (KV capacity, jobs held). The charge
 correction at its boundaries is in test_serving_boundaries.py."""
@@ -21,7 +22,7 @@ from clients.names import Names
 from clients.protocol import Job
 from clients.routing import Segment, answer_chain, prefix_chain
 from workers.worker import accounting
-from workers.worker.accounting import FLUSH_S, SESSION_TTL_MS, Accounting, PrefixAdvert
+from workers.worker.accounting import FLUSH_S, Accounting, PrefixAdvert
 from workers.worker.streams import NO_TENANT
 
 NAMES = Names()
@@ -46,18 +47,17 @@ async def advertised(r: aioredis.Redis) -> set[str]:
 
 
 @pytest.mark.anyio
-async def test_a_flush_registers_the_worker_its_load_and_its_sessions(r: aioredis.Redis) -> None:
+async def test_a_flush_registers_the_worker_and_its_load(r: aioredis.Redis) -> None:
     acc = make(r, held=3)
     acc.started(Job("j1", "json", messages=CHAT, session="chat-1"))
-    acc.started(Job("j2", "json", prompt="x"))  # no session: no key
     seconds, _ = await r.time()
     await acc.flush()
     score = await r.zscore(NAMES.worker_streams, ME)
     assert score is not None and abs(score / 1000 - seconds) < 60  # when it last flushed, in ms
     assert await r.hget(NAMES.loads, ME) == b"3"
-    assert await r.get(NAMES.session("chat-1")) == ME.encode()
-    assert SESSION_TTL_MS - 5_000 < await r.pttl(NAMES.session("chat-1")) <= SESSION_TTL_MS
-    assert await r.keys(f"{NAMES.prefix}:session:*") == [NAMES.session("chat-1").encode()]
+    # A session's worker is written when its job is taken (affinity.py): a flush a moment later would
+    # take the session back from a worker that took its next call meanwhile.
+    assert await r.keys(f"{NAMES.prefix}:session:*") == []
 
 
 @pytest.mark.anyio
@@ -228,7 +228,6 @@ async def test_what_a_failed_flush_held_goes_out_with_the_next(r: aioredis.Redis
     acc = Accounting(r, NAMES, ME, TTL_MS, capacity=lambda: capacity[0])
     acc.prefixes.add(chain([10, 20], "a"))
     await acc.flush()  # the whole set is written: the next flushes send only what changed
-    acc.started(Job("j1", "json", prompt="x", session="chat-1"))
     acc.finished(Job("j1", "json", prompt="x", tenant="acme"), 10, "acme", 0.0, None)
     await r.zadd(NAMES.tenant_active("acme"), {"j1": 1})
     capacity[0] = 20
@@ -239,7 +238,6 @@ async def test_what_a_failed_flush_held_goes_out_with_the_next(r: aioredis.Redis
     await acc.redis.aclose()
     acc.redis = r
     await acc.flush()
-    assert await r.get(NAMES.session("chat-1")) == ME.encode()
     assert await r.hget(NAMES.service, "acme") == b"10" and not await r.exists(NAMES.tenant_active("acme"))
     assert await advertised(r) == {"c0", "c1"}
 
@@ -251,7 +249,7 @@ ACCOUNTING = "accounting-under-test"  # CLIENT SETNAME of its connection, to dro
 async def test_what_jobs_record_while_a_flush_is_out_survives_its_failure(r: aioredis.Redis, redis_url: str) -> None:
     """Job tasks go on recording while a flush's round trip is out. When that round trip is lost (a
     dropped connection), what it carried and what was recorded meanwhile both go out with the next
-    flush: no charge, freed slot or session lost, and the advert ends as the cache is (what was dropped
+    flush: no charge or freed slot lost, and the advert ends as the cache is (what was dropped
     during the failed round trip leaves Redis, what was added meanwhile is there)."""
     capacity = [100]
     named = aioredis.Redis.from_url(redis_url, client_name=ACCOUNTING, retry=Retry(NoBackoff(), 0))
@@ -260,7 +258,6 @@ async def test_what_jobs_record_while_a_flush_is_out_survives_its_failure(r: aio
     acc.prefixes.add(chain([10, 20], "b"))
     await acc.flush()  # the whole set is written: the next flushes send only what changed
     await r.zadd(NAMES.tenant_active("acme"), {"j1": 1, "j2": 1})
-    acc.started(Job("j1", "json", prompt="x", session="s-1"))
     acc.finished(Job("j1", "json", prompt="x", tenant="acme"), 10, "acme", 0.0, None)
     capacity[0] = 40
     acc.prefixes.add(chain([10, 20], "c"))  # c in, a out: this flush's change
@@ -268,14 +265,12 @@ async def test_what_jobs_record_while_a_flush_is_out_survives_its_failure(r: aio
         async with writes_held(r), anyio.create_task_group() as tg:
             tg.start_soon(flush_failing, acc)
             await anyio.wait_all_tasks_blocked()  # its round trip waits at Redis
-            acc.started(Job("j2", "json", prompt="x", session="s-2"))
             acc.finished(Job("j2", "json", prompt="x", tenant="acme"), 5, "acme", 0.0, None)
             capacity[0] = 20
             acc.prefixes.add(chain([10, 20], "d"))  # d in, b and c out, while the flush is out
             await drop_connections(r, ACCOUNTING)
     await acc.flush()
     await named.aclose()
-    assert {await r.get(NAMES.session(s)) for s in ("s-1", "s-2")} == {ME.encode()}
     assert await r.hget(NAMES.service, "acme") == b"15" and not await r.exists(NAMES.tenant_active("acme"))
     assert await advertised(r) == {"d0", "d1"}
 
@@ -298,7 +293,7 @@ async def test_the_loop_flushes_every_quarter_second_and_rides_out_a_failure(
     acc.redis = unreachable()
     async with anyio.create_task_group() as tg:
         tg.start_soon(acc.loop)
-        acc.started(Job("j1", "json", prompt="x", session="chat-1"))
+        acc.finished(Job("j1", "json", prompt="x"), 10, NO_TENANT, 0.0, None)
         with anyio.fail_after(10 * FLUSH_S + 5):
             while "accounting flush failed" not in caplog.text:
                 await anyio.sleep(0.02)
@@ -307,6 +302,6 @@ async def test_the_loop_flushes_every_quarter_second_and_rides_out_a_failure(
         await acc.redis.aclose()
         acc.redis = r
         with anyio.fail_after(10 * FLUSH_S + 5):
-            while not await r.exists(NAMES.session("chat-1")):
+            while not await r.hexists(NAMES.service, NO_TENANT):
                 await anyio.sleep(0.02)
         tg.cancel_scope.cancel()

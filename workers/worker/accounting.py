@@ -1,6 +1,7 @@
 """What a worker tells the other submitters and workers about the jobs it serves (docs/scheduling.md):
-which prefixes its cache holds (for routing), which worker serves a session, a tenant's job that is
-done (its concurrency slot), and the service a tenant's job really cost (its fair share).
+which prefixes its cache holds (for routing), a tenant's job that is done (its concurrency slot), and
+the service a tenant's job really cost (its fair share). Which worker serves a session is written
+at once when a job is taken, not here (affinity.py).
 
 None of it is on a job's path: job tasks record, one loop writes it all every FLUSH_S in one
 pipelined round trip, and what a dropped connection kept from going out goes with the next flush.
@@ -29,7 +30,6 @@ from workers.worker.streams import NO_TENANT
 log = logging.getLogger("streamer.worker")
 
 FLUSH_S = 0.25
-SESSION_TTL_MS = 600_000  # a session quiet this long has no home worker any more
 REWRITE_S = 30.0  # the whole prefix set is written again this often (in case its key was lost)
 
 # KEYS[1] = service clock, KEYS[2] = shares; ARGV[1] = tenant field, ARGV[2] = tokens to add.
@@ -86,7 +86,6 @@ class PrefixAdvert:
 
 @dataclass
 class _Pending:
-    sessions: dict[str, None] = field(default_factory=dict)  # sessions started here since the last flush
     released: list[tuple[str, str]] = field(default_factory=list)  # (tenant, request id)
     charges: list[tuple[str, float]] = field(default_factory=list)  # (service field, tokens)
 
@@ -107,8 +106,6 @@ class Accounting:
 
     def started(self, job: Job) -> None:
         """The job entered the engine here: its prompt's KV will be in this worker's cache."""
-        if job.session:
-            self._pending.sessions[job.session] = None
         self.prefixes.add(prefix_chain(job_dict(job)))
 
     def finished(self, job: Job, tokens: int, charged_to: str, charged: float, answer: str | None) -> None:
@@ -119,6 +116,12 @@ class Accounting:
         self._pending.charges.append((account, tokens - (charged if charged_to == account else 0.0)))
         if answer is not None:
             self.prefixes.add(answer_chain(job_dict(job), answer))
+
+    def refund(self, account: str, charged: float) -> None:
+        """A job charged when taken left this worker unserved (forwarded: affinity.py); whoever serves
+        it charges it in full."""
+        if charged:
+            self._pending.charges.append((account, -charged))
 
     async def loop(self) -> None:
         while True:
@@ -133,7 +136,6 @@ class Accounting:
         try:
             await self._write(pending)
         except BaseException:
-            self._pending.sessions.update(pending.sessions)
             self._pending.released += pending.released
             self._pending.charges += pending.charges
             raise
@@ -156,8 +158,6 @@ class Accounting:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zadd(names.worker_streams, {self.consumer: int(time.time() * 1000)})
             pipe.hset(names.loads, self.consumer, self.held())
-            for session in p.sessions:
-                pipe.set(names.session(session), self.consumer, px=SESSION_TTL_MS)
             for tenant, request_id in p.released:
                 pipe.zrem(names.tenant_active(tenant), request_id)
             for account, tokens in p.charges:

@@ -23,7 +23,8 @@ import anyio
 from clients.protocol import Limits
 from streamer import EngineConfig
 from workers.allocator import CHOICES, exec_with_allocator
-from workers.arg_types import optional_port
+from workers.arg_types import optional_port, priority_lanes
+from workers.errors import UserError
 from workers.redis_options import add_pool_arguments, add_redis_arguments, check_redis, names_from_args
 from workers.worker.config import WorkerConfig
 from workers.worker.metrics_server import check_port
@@ -128,6 +129,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--claim-idle", type=float, default=30.0,
                    help="seconds after which a job of a silent (dead) worker is taken over")
     w.add_argument("--max-deliveries", type=int, default=5, help="deliveries before a job is dead-lettered")
+    w.add_argument("--priority-lanes", type=priority_lanes, default=(),
+                   help="cutoffs of priority lanes, e.g. -10,-1 (docs/scheduling.md): registered at start, so that a "
+                        "job pushed to the default lane with a priority at most a cutoff is moved into its lane "
+                        "(lanes submitters push to are honoured without it)")
     w.add_argument("--grace", "--drain-timeout", type=float, default=30.0,
                    help="SIGTERM: seconds to finish in-flight jobs; what is left then goes back to the queue at once, "
                         "for another worker to resume")
@@ -159,8 +164,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    try:
+        names = dataclasses.replace(names_from_args(args), lanes=args.priority_lanes)
+    except ValueError as e:  # lanes with sharded streams
+        raise UserError(f"{e}: leave out --priority-lanes or --request-shards") from None
     return WorkerConfig(redis_url=args.redis, redis_max_connections=args.redis_max_connections,
-                        redis_pool_timeout_s=args.redis_pool_timeout, names=names_from_args(args),
+                        redis_pool_timeout_s=args.redis_pool_timeout, names=names,
                         limits=Limits(max_payload_bytes=args.max_payload_bytes), consumer=args.consumer,
                         events_ttl_s=args.events_ttl, claim_idle_s=args.claim_idle,
                         max_deliveries=args.max_deliveries, grace_s=args.grace, model_name=args.model,

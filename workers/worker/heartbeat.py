@@ -114,6 +114,8 @@ class Heartbeat:
                 "kv_block_fill": s.get("kv_utilization", 0.0), "kv_blocks_used": s.get("kv_blocks_used", 0),
                 "kv_blocks_total": s.get("kv_blocks_total", 0), "max_model_len": s.get("max_model_len", 0),
                 "jobs": self.state.held, "max_num_seqs": s.get("max_num_seqs", 0),
+                # Stopping (SIGTERM): it reads no more jobs, so none is forwarded to it (affinity.py).
+                "draining": int(self.state.stopping),
                 "generation_tokens": s.get("generation_tokens", 0),
                 # LoRA adapters in the engine's slots: routers prefer a worker that has a job's adapter.
                 "loras": ",".join(s.get("loras") or ()),

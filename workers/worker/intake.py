@@ -19,9 +19,11 @@ from clients.backoff import TRANSIENT, Backoff, retry
 from clients.errors import ProtocolError
 from clients.protocol import decode_job
 from clients.resume import resume_state
+from workers.worker.affinity import Affinity
 from workers.worker.attempts import PreviousAttempt
 from workers.worker.config import WorkerConfig
 from workers.worker.job import JobRunner
+from workers.worker.lanes import moved_from, register_lanes
 from workers.worker.state import Delivery, WorkerState, as_str
 from workers.worker.streams import StreamSet, Taken
 
@@ -33,11 +35,17 @@ Reader = Callable[[int], Awaitable[list[Taken]]]  # up to this many new entries
 # claimed it before (and was presumed dead) are refused from now on; the events read after this in
 # the same round trip are all the new owner resumes from. It also hands back the record of the
 # previous attempt (attempts.py): the seq it entered the engine at (-1: it never did), and whether alone.
-# KEYS = id claim, fence hash; ARGV = entry id, ttl. Returns {owner entry, epoch (0 when not the
-# owner), previous attempt's seq, alone}.
+# An entry a worker moved (a lane, a session's worker: lanes.py, affinity.py) names the entry it was
+# pushed as; a claim its submitter made for that one passes to it.
+# KEYS = id claim, fence hash; ARGV = entry id, ttl, the entry it was moved from ('': none). Returns
+# {owner entry, epoch (0 when not the owner), previous attempt's seq, alone}.
 _CLAIM = """
 redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
 local owner = redis.call('GET', KEYS[1])
+if ARGV[3] ~= '' and owner == ARGV[3] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  owner = ARGV[1]
+end
 if owner ~= ARGV[1] then
   return {owner, 0, -1, 0}
 end
@@ -55,14 +63,19 @@ class Intake:
     """Reads entries while the engine has room and starts a `JobRunner` task for each in `jobs`."""
 
     def __init__(self, redis: Redis, config: WorkerConfig, state: WorkerState, runner: JobRunner,
-                 streams: StreamSet) -> None:
+                 streams: StreamSet, affinity: Affinity | None = None) -> None:
         self.redis, self.cfg, self.names = redis, config, config.names
         self.state, self.runner, self.streams = state, runner, streams
+        self.affinity = affinity or Affinity(redis, config.names, config.consumer)
         self._claim = redis.register_script(_CLAIM)
 
     async def ensure_group(self) -> None:
+        """The group on every stream this worker reads from the start; the lanes it was configured with
+        (`--priority-lanes`) registered, so that jobs pushed without them are moved into them (lanes.py)."""
         backoff = Backoff("create group", log)
-        for stream in [*self.names.request_streams, self.streams.own]:
+        lanes = {self.names.lane(cutoff): cutoff for cutoff in self.names.lanes}
+        await retry("register lanes", log, lambda: register_lanes(self.redis, self.names, lanes))
+        for stream in [*self.names.request_streams, *lanes, self.streams.own]:
             while True:
                 try:
                     # From id 0: jobs pushed before the first worker ever started are served too.
@@ -141,10 +154,11 @@ class Intake:
             await backoff.sleep(error)
 
     async def start_batch(self, entries: list[Taken], jobs: TaskGroup) -> None:
-        """Decode a batch of taken entries, claim their ids in entry order (the first of two jobs with
-        the same id wins), read their resume state in one round trip, then start one task per job in
-        `jobs`."""
-        batch = [self._decode(t) for t in entries]
+        """Decode a batch of taken entries, forward those of a session another worker holds there and
+        record this worker as the others' session worker (affinity.py), claim their ids in entry
+        order (the first of two jobs with the same id wins), read their resume state in one round
+        trip, then start one task per job in `jobs`."""
+        batch = await self.affinity.place([self._decode(t) for t in entries])
         with_ids = [d for d in batch if d.request_id is not None]
         if with_ids:
             replies = await retry("load jobs", log, lambda: self._load_pipeline(with_ids))
@@ -155,10 +169,11 @@ class Intake:
             jobs.start_soon(self.runner.run, d, name=f"job {d.entry_id}")
 
     def _decode(self, t: Taken) -> Delivery:
-        d = Delivery(as_str(t.entry_id), t.fields, t.deliveries, stream=t.stream, charged_to=t.tenant,
-                     charged=t.charged)
+        fields, origin = moved_from(t.fields)
+        d = Delivery(as_str(t.entry_id), fields, t.deliveries, stream=t.stream, charged_to=t.tenant,
+                     charged=t.charged, origin=origin)
         try:
-            d.job = decode_job(t.fields or {}, self.cfg.limits)
+            d.job = decode_job(fields, self.cfg.limits)
         except ProtocolError as e:
             d.error = e
         return d
@@ -184,7 +199,7 @@ class Intake:
             for d in batch:
                 request_id = d.request_id or ""
                 await scripts.queue(pipe, self._claim, [self.names.job(request_id), self.names.fence(request_id)],
-                                    [d.entry_id, ttl])
+                                    [d.entry_id, ttl, d.origin])
                 pipe.xrange(self.names.events(request_id))
                 pipe.exists(self.names.cancelled(request_id))
             replies = await pipe.execute(raise_on_error=False)

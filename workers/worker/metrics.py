@@ -158,6 +158,8 @@ class WorkerMetrics:
 
         self.reclaims = per_worker(Counter, "streamer_worker_reclaims", "Job entries this worker took over "
                                    "from a dead worker (XAUTOCLAIM).")
+        self.forwards = per_worker(Counter, "streamer_worker_session_forwards", "Jobs this worker took from a "
+                                   "shared lane and forwarded to the worker holding their session.")
         self._dead = per_worker(Counter, "streamer_worker_dead_letters", "Jobs this worker dead-lettered, by "
                                 "reason (the error code).", ("reason",))
         self.event_writes = per_worker(Histogram, "streamer_worker_event_write_seconds", "Round trips of the "
@@ -189,6 +191,9 @@ class WorkerMetrics:
 
     def reclaimed(self, stream: str) -> None:
         self.reclaims.inc()
+
+    def forwarded(self) -> None:
+        self.forwards.inc()
 
     def event_write(self, seconds: float) -> None:
         self.event_writes.observe(seconds)

@@ -27,6 +27,7 @@ from clients.backoff import TRANSIENT, retry
 from workers import tracing
 from workers.redis_options import async_client
 from workers.worker.accounting import Accounting
+from workers.worker.affinity import Affinity
 from workers.worker.answers import Answers
 from workers.worker.attempts import Attempts
 from workers.worker.cancel import CancelListener
@@ -41,7 +42,7 @@ from workers.worker.metrics import WorkerMetrics
 from workers.worker.progress import ProgressReporter
 from workers.worker.queue_metrics import QUEUE_POLL_S, QueueMonitor
 from workers.worker.reclaim import Reclaimer
-from workers.worker.state import WorkerState
+from workers.worker.state import Delivery, WorkerState
 from workers.worker.steps import StepMonitor
 from workers.worker.streams import StreamSet
 
@@ -78,7 +79,8 @@ class Worker:
         self.runner = JobRunner(engine, config, self.state, self.answers, Attempts(self.redis, self.names), m,
                                 self.accounting)
         self.streams = StreamSet(self.redis, self.names, config.consumer)
-        self.intake = Intake(self.redis, config, self.state, self.runner, self.streams)
+        self.affinity = Affinity(self.redis, self.names, config.consumer, on_forward=self._forwarded)
+        self.intake = Intake(self.redis, config, self.state, self.runner, self.streams, self.affinity)
         self.reclaimer = Reclaimer(self.redis, config, self.state, self.intake, on_reclaim=m.reclaimed)
         self.queue = QueueMonitor(config, m.registry, on_reconnect=m.reconnected,
                                   every_s=min(QUEUE_POLL_S, config.heartbeat_s))
@@ -173,6 +175,11 @@ class Worker:
             log.warning("worker %s: grace period over, leaving %s to other workers", cfg.consumer,
                         sorted(state.running))
         jobs.cancel_scope.cancel()
+
+    def _forwarded(self, d: Delivery) -> None:
+        """A job taken here went to its session's worker: not this worker's charge, nor its job."""
+        self.accounting.refund(d.charged_to, d.charged)
+        self.metrics.forwarded()
 
     def _shared_jobs(self) -> int:
         """Jobs held from the shared lanes: routers count the routed ones from its own stream."""

@@ -37,6 +37,7 @@ class Delivery:
     stream: str = ""  # the request stream it was read from
     charged_to: str = ""  # the tenant's service field charged when it was taken (streams.py)
     charged: float = 0.0
+    origin: str = ""  # the entry it was pushed as, when a worker moved it (lanes.py, affinity.py)
     job: Job | None = None
     error: ProtocolError | None = None  # could not be decoded or validated
     ours: bool = False  # the request id belongs to this entry (not a duplicate)

@@ -22,6 +22,7 @@ from redis.exceptions import ResponseError
 
 from clients.names import Names
 from clients.streams import StreamInfo, registered_streams
+from workers.worker.lanes import SORT_LUA, default_lane_index, missing_lanes, register_lanes
 
 log = logging.getLogger("streamer.worker")
 
@@ -31,24 +32,34 @@ OWN_RANK = -(2**62)  # the worker's own stream is read before every lane
 NO_TENANT = "~"  # the service field of jobs without a tenant (not a valid tenant name)
 REFRESH_S = 1.0
 
-# KEYS[1] = service clock hash, KEYS[2] = shares hash, KEYS[3] = the stream registry, KEYS[4..] =
-# streams in reading order; ARGV[1] = group, ARGV[2] = consumer, ARGV[3] = most entries, ARGV[4] =
-# charge, ARGV[5] = burst, ARGV[6] = how many streams the registry held when the caller read it,
-# ARGV[7..] = each stream's lane rank and tenant field, in pairs. Streams of one rank form a lane,
-# read only once every more urgent lane is empty. Returns false, taking nothing, when the registry
-# changed since (a new lane or tenant: the caller reads it again first); else {{stream, entry id,
-# fields, tenant, charge}..., then the streams that had no group (to create)}.
-_TAKE = """
+# KEYS[1] = service clock hash, KEYS[2] = shares hash, KEYS[3] = the stream registry, KEYS[4] = the
+# default lane's sorting cursor (lanes.py), KEYS[5..] = streams in reading order; ARGV[1] = group,
+# ARGV[2] = consumer, ARGV[3] = most entries, ARGV[4] = charge, ARGV[5] = burst, ARGV[6] = how many
+# streams the registry held when the caller read it, ARGV[7] = the default lane's place among the
+# streams (0: none), ARGV[8..] = each stream's lane rank and tenant field, in pairs. Streams of one
+# rank form a lane, read only once every more urgent lane is empty; first, the default lane's unread
+# jobs that belong in a more urgent lane are moved there (lanes.py). Returns false, taking nothing,
+# when the registry changed since (a new lane or tenant: the caller reads it again first); else
+# {{stream, entry id, fields, tenant, charge}..., then the streams that had no group (to create)}.
+_TAKE = SORT_LUA + """
 if redis.call('ZCARD', KEYS[3]) ~= tonumber(ARGV[6]) then
   return false
 end
 local svc_key, share_key = KEYS[1], KEYS[2]
 local want, charge, burst = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local n = #KEYS - 3
+local n = #KEYS - 4
 local clock = tonumber(redis.call('HGET', svc_key, '~clock') or '0')
 local out, missing = {}, {}
-local function rank(k) return ARGV[5 + 2 * k] end
-local function tenant(k) return ARGV[6 + 2 * k] end
+local function rank(k) return ARGV[6 + 2 * k] end
+local function tenant(k) return ARGV[7 + 2 * k] end
+local default_lane = tonumber(ARGV[7])
+if default_lane > 0 then
+  local lanes = {}
+  for k = 2, default_lane - 1 do
+    if tenant(k) == '~' then lanes[#lanes + 1] = {tonumber(rank(k)), KEYS[k + 4]} end
+  end
+  sort_lane(KEYS[default_lane + 4], KEYS[4], ARGV[1], lanes)
+end
 local function served(t)
   local s = tonumber(redis.call('HGET', svc_key, t) or '0')
   if s < clock - burst then s = clock - burst end
@@ -69,9 +80,9 @@ while i <= n and #out < want do
       if s < best_served then best, best_served = idx, s end
     end
     local k = lane[best]
-    local reply = redis.pcall('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS', KEYS[k + 3], '>')
+    local reply = redis.pcall('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS', KEYS[k + 4], '>')
     if type(reply) == 'table' and reply.err then
-      missing[#missing + 1] = KEYS[k + 3]
+      missing[#missing + 1] = KEYS[k + 4]
       table.remove(lane, best)
     elseif not reply then
       table.remove(lane, best)
@@ -85,7 +96,7 @@ while i <= n and #out < want do
         clock = best_served
         redis.call('HSET', svc_key, '~clock', clock)
       end
-      out[#out + 1] = {KEYS[k + 3], entry[1], entry[2], t, charge}
+      out[#out + 1] = {KEYS[k + 4], entry[1], entry[2], t, charge}
     end
   end
   i = j
@@ -130,6 +141,10 @@ class StreamSet:
         if not force and time.monotonic() - self._refreshed < REFRESH_S:
             return
         self.shared, self.registered = await registered_streams(self.redis, self.names)
+        lanes = missing_lanes(self.names, self.shared)
+        if lanes:  # a lane known only by its tenants' queues: jobs moved into it must be read too
+            await register_lanes(self.redis, self.names, lanes)
+            self.shared, self.registered = await registered_streams(self.redis, self.names)
         await self.ensure_groups([s for s in self.names_read if s not in self._grouped])
         self._refreshed = time.monotonic()
 
@@ -164,10 +179,12 @@ class StreamSet:
 
     async def _take_once(self, count: int) -> list[Any] | None:
         infos = self.ordered
-        args: list[Any] = [self.names.group, self.consumer, count, CHARGE_TOKENS, BURST_TOKENS, self.registered]
+        args: list[Any] = [self.names.group, self.consumer, count, CHARGE_TOKENS, BURST_TOKENS, self.registered,
+                           default_lane_index(self.names, infos)]
         for info in infos:
             args += [info.rank, info.tenant or NO_TENANT]
-        keys = [self.names.service, self.names.tenants, self.names.streams, *(i.stream for i in infos)]
+        keys = [self.names.service, self.names.tenants, self.names.streams, self.names.lane_cursor,
+                *(i.stream for i in infos)]
         return await self._take(keys=keys, args=args)
 
     async def wait_any(self, block_ms: int) -> list[Taken]:
