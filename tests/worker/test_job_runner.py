@@ -16,9 +16,11 @@ import pytest
 import redis
 from redis_worker_helpers import check_complete, dead_letters, has_ended, read_events, wait_for
 from scripted_engine import ScriptedEngine, answer, output, sample, scripted_worker
+from test_worker_deliveries import push_delivered
 
+from clients.events import done_event
 from clients.loras import encode_entry
-from clients.protocol import Names
+from clients.protocol import Names, encode, encode_job, event_stream_id
 from clients.redis_client import AsyncClient
 from streamer.errors import EngineDeadError, GrammarError, QueueFullError
 from streamer.lora import LoRARequest
@@ -228,4 +230,85 @@ async def test_a_jobs_lora_adapter_is_read_from_the_registry(redis_url: str) -> 
     assert [c.lora_request for c in engine.calls] == [LoRARequest("sql", "/adapters/sql")]
     assert error_of(unknown) == ("invalid_request", "unknown LoRA adapter 'nope': register it with "
                                  "`streamer lora add NAME PATH` (see `streamer lora list`)")
+    r.close()
+
+
+@pytest.mark.anyio
+async def test_the_max_th_delivery_runs_and_the_next_is_answered_too_many(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    r.xgroup_create(NAMES.requests, NAMES.group, id="0", mkstream=True)
+    push_delivered(r, "one-too-many", 2)  # its third delivery is ours
+    push_delivered(r, "last-chance", 1)
+    engine = ScriptedEngine({"hi": [answer()]})
+    async with scripted_worker(engine, redis_url, claim_idle_s=0.3, max_deliveries=2):
+        await wait_for(lambda: has_ended(redis_url, "one-too-many") and has_ended(redis_url, "last-chance"), 10)
+    assert error_of(read_events(redis_url, "one-too-many")) == (
+        "too_many_deliveries", "job was delivered 3 times without finishing")
+    assert check_complete(read_events(redis_url, "last-chance"))["type"] == "done"
+    assert [c.request_id for c in engine.calls] == ["last-chance"]
+    assert r.xpending(NAMES.requests, NAMES.group)["pending"] == 0
+    r.close()
+
+
+@pytest.mark.anyio
+async def test_a_second_job_with_a_used_id_is_a_dead_letter_and_the_first_runs(redis_url: str) -> None:
+    engine = ScriptedEngine({"first": [answer()], "second": [answer()]})
+    [events, _] = await served(engine, redis_url, {"prompt": "first", "id": "dup"}, {"prompt": "second", "id": "dup"})
+    assert check_complete(events)["type"] == "done" and len(events) == 3  # the first one's, once
+    assert [c.prompt for c in engine.calls] == ["first"]
+    [letter] = dead_letters(redis_url)
+    assert (letter["id"], letter["reason"], letter["message"]) == (
+        b"dup", b"duplicate_id", b"id 'dup' is already used by another request")
+    r = redis.Redis.from_url(redis_url)
+    assert r.xpending(NAMES.requests, NAMES.group)["pending"] == 0  # both acked
+    r.close()
+
+
+@pytest.mark.anyio
+async def test_a_job_answered_before_is_only_acked(redis_url: str) -> None:
+    """Its worker wrote `done` and died before its ack: the entry is handed out again, and nothing runs."""
+    r = redis.Redis.from_url(redis_url)
+    r.xgroup_create(NAMES.requests, NAMES.group, id="0", mkstream=True)
+    done = done_event("answered", 0, ["stop"], {"prompt_tokens": 3, "completion_tokens": 0, "cached_tokens": 0})
+    r.xadd(NAMES.events("answered"), {"json": encode(done, "json")}, id=event_stream_id(0))
+    push_delivered(r, "answered", 1)
+    engine = ScriptedEngine({"hi": [answer()]})
+    async with scripted_worker(engine, redis_url, claim_idle_s=0.3):
+        await wait_for(lambda: r.xpending(NAMES.requests, NAMES.group)["pending"] == 0, timeout=10)
+    assert read_events(redis_url, "answered") == [done]
+    assert engine.calls == [] and dead_letters(redis_url) == []
+    r.close()
+
+
+@pytest.mark.anyio
+async def test_a_task_other_than_generate_is_answered_without_generating(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    engine = ScriptedEngine({})
+    async with scripted_worker(engine, redis_url):
+        r.xadd(NAMES.requests, encode_job({"id": "count", "task": "tokenize", "prompt": "abc"}))
+        await wait_for(lambda: has_ended(redis_url, "count"), timeout=10)
+    end = check_complete(read_events(redis_url, "count"))
+    assert (end["type"], end["result"]["count"]) == ("done", 3)
+    assert engine.calls == []
+    r.close()
+
+
+@pytest.mark.anyio
+async def test_an_unexpected_engine_failure_aborts_the_request_and_answers_internal(redis_url: str) -> None:
+    engine = ScriptedEngine({"p": [[RuntimeError("kernel bug")]]})
+    [events] = await served(engine, redis_url, {"prompt": "p", "id": "bug"})
+    assert error_of(events) == ("internal", "worker error: kernel bug")
+    assert engine.aborted == ["bug"]  # never left running unwatched
+    assert [(d["id"], d["reason"]) for d in dead_letters(redis_url)] == [(b"bug", b"internal")]
+
+
+@pytest.mark.anyio
+async def test_a_job_that_does_not_validate_is_answered_with_its_code(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    engine = ScriptedEngine({})
+    async with scripted_worker(engine, redis_url):
+        r.xadd(NAMES.requests, encode_job({"id": "bad", "prompt": ["not", "text"]}))
+        await wait_for(lambda: has_ended(redis_url, "bad"), timeout=10)
+    code, _ = error_of(read_events(redis_url, "bad"))
+    assert code == "invalid_request" and engine.calls == [] and dead_letters(redis_url) == []
     r.close()
