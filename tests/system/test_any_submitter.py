@@ -34,11 +34,16 @@ async def redis_cli_xadd(url: str, job: dict[str, Any], stream: str = NAMES.requ
     assert proc.returncode == 0 and b"-" in out, out
 
 
-async def raw_turn(url: str, client: AsyncClient, messages: list[dict[str, str]], session: str,
-                   max_tokens: int = 8) -> tuple[str, list[dict[str, Any]]]:
-    rid = uuid.uuid4().hex
-    await redis_cli_xadd(url, {"id": rid, "messages": messages, "session": session,
-                               "params": {**GREEDY, "max_tokens": max_tokens}})
+async def turn(submitter: str, url: str, client: AsyncClient, messages: list[dict[str, str]],
+               session: str) -> tuple[str, list[dict[str, Any]]]:
+    """One call of a session, pushed by redis-cli or by the Python client (which routes it), and its
+    events, read to the end."""
+    params = {**GREEDY, "max_tokens": 8}
+    if submitter == "redis-cli":
+        rid = uuid.uuid4().hex
+        await redis_cli_xadd(url, {"id": rid, "messages": messages, "session": session, "params": params})
+    else:
+        rid = await client.submit(messages=messages, params=params, session=session)
     return rid, [e async for e in client.stream(rid, timeout=60)]
 
 
@@ -47,13 +52,16 @@ def forwards(worker: Worker) -> float:
                                                     {"worker": worker.cfg.consumer}) or 0.0
 
 
+@pytest.mark.parametrize("submitter", ["redis-cli", "python"])
 @pytest.mark.anyio
-async def test_immediate_follow_ups_reach_the_sessions_worker_across_three(llama_ckpt: Path, redis_url: str) -> None:
+async def test_immediate_follow_ups_reach_the_sessions_worker_across_three(llama_ckpt: Path, redis_url: str,
+                                                                          submitter: str) -> None:
     """Six sessions, one after another: a first call and, the moment its `done` arrives, the follow-up
     (the conversation so far). Each session's system prompt is its own, so a follow-up's prompt is in
-    no cache but its session's worker's: its cached tokens say who served it. Idle workers wait on the
-    shared lane together, and the one that just answered waits last, so most follow-ups are read by
-    another worker and must be forwarded."""
+    no cache but its session's worker's: its cached tokens say who served it. Pushed raw, idle workers
+    wait on the shared lane together and the one that just answered waits last, so most follow-ups are
+    read by another worker and must be forwarded; the Python client routes them to the session's
+    worker itself, which it can only because that worker wrote the session when it took the first call."""
     sessions = 6
     r = redis.Redis.from_url(redis_url)
     async with running_worker(llama_ckpt, redis_url, consumer="w-a") as wa, \
@@ -66,22 +74,25 @@ async def test_immediate_follow_ups_reach_the_sessions_worker_across_three(llama
             session = f"agent-{i}"
             messages = [{"role": "system", "content": f"Agent {i} of the follow-up test, working alone."},
                         {"role": "user", "content": "Call the tool."}]
-            _, first = await raw_turn(redis_url, client, messages, session)
+            _, first = await turn(submitter, redis_url, client, messages, session)
             holder = r.get(NAMES.session(session)).decode()  # written when the job was taken
             text = "".join(e.get("text", "") for e in first if e["type"] == "token")
             follow = [*messages, {"role": "assistant", "content": text}, {"role": "user", "content": "Result: 42."}]
-            _, second = await raw_turn(redis_url, client, follow, session)
+            rid, second = await turn(submitter, redis_url, client, follow, session)
             prompt = check_complete(first)["usage"]["prompt_tokens"]
             assert prompt > 2 * BLOCK  # whole blocks of it are cached where it ran
             cached = check_complete(second)["usage"]["cached_tokens"]
             served.append((holder, cached >= prompt - BLOCK, r.get(NAMES.session(session)).decode()))
+            if submitter == "python":
+                assert client._placements[rid].stream == NAMES.worker_requests(holder)
         moved = {name: forwards(w) for name, w in workers.items()}
         finished = {name: w.engine.stats()["num_requests_finished"] for name, w in workers.items()}
     print(f"follow-ups on their session's worker: {sum(hit for _, hit, _ in served)}/{sessions}; "
           f"forwarded by each worker: {moved}")
     assert all(hit for _, hit, _ in served), served
     assert all(holder == after for holder, _, after in served), served
-    assert sum(moved.values()) >= 1  # the path under test was taken (all six read by their holder: < 0.2%)
+    if submitter == "redis-cli":  # the path under test was taken (all six read by their holder: < 0.2%)
+        assert sum(moved.values()) >= 1
     holders = [holder for holder, _, _ in served]
     assert finished == {name: 2 * holders.count(name) for name in workers}
     r.close()
