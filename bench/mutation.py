@@ -122,13 +122,13 @@ TARGETS: dict[str, Target] = {
     "streams": Target("workers/worker/streams.py", ("tests/worker/test_stream_set.py",
                                                     "tests/gateway/test_serving_boundaries.py")),
     # A job's life in the worker: deliveries, duplicates, bad jobs, the engine's refusals and failures,
-    # its answer. test_job_runner.py alone: a scripted engine (no model), 22 tests in ~13 s; the files
+    # its answer. test_job_runner.py alone: a scripted engine (no model), 22 tests in ~13 s. The files
     # with real workers on the tiny Llama (test_worker_deliveries, _bad_input, test_dead_letters) took
-    # 10 min for mutmut's two clean runs of job's 642 mutants and kill nothing the scripted edges miss.
+    # 10 min for mutmut's two clean runs alone, before any of job's 642 mutants.
     "job": Target("workers/worker/job.py", ("tests/worker/test_job_runner.py",)),
-    "intake": Target("workers/worker/intake.py", ("tests/worker/test_job_runner.py",
-                                                  "tests/worker/test_worker_deliveries.py",
-                                                  "tests/worker/test_worker_bad_input.py")),
+    # Reads, refusals, bursts, shards, claims: test_intake.py; each job's way in: test_job_runner.py
+    # (both on a scripted engine, seconds).
+    "intake": Target("workers/worker/intake.py", ("tests/worker/test_intake.py", "tests/worker/test_job_runner.py")),
     # test_adoption.py: jobs routed to a dead or stalled worker taken over, a dead worker's stream removed.
     "reclaim": Target("workers/worker/reclaim.py", ("tests/worker/test_adoption.py",
                                                     "tests/worker/test_worker_deliveries.py",

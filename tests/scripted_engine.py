@@ -6,6 +6,7 @@ engine that dies, a stream that ends without a finished output)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ class Call:
     resume_token_ids: list[list[int]] | None
     session: str | None
     lora_request: Any
+    at: float = field(default_factory=time.monotonic)  # when it was made
 
 
 @dataclass
