@@ -6,7 +6,7 @@ from streamer.outputs import CompletionOutput, RequestOutput
 from streamer.sampling_params import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "AsyncEngine", "EngineConfig", "SamplingParams", "RequestOutput",
-           "CompletionOutput", "QueueFullError"]
+           "CompletionOutput", "QueueFullError", "PoolingParams"]
 
 
 def __getattr__(name: str):  # heavy modules (torch, transformers) load on first use
@@ -18,6 +18,10 @@ def __getattr__(name: str):  # heavy modules (torch, transformers) load on first
         from streamer.llm_engine import LLMEngine
 
         return LLMEngine
+    if name == "PoolingParams":
+        from streamer.pooling import PoolingParams
+
+        return PoolingParams
     if name == "AsyncEngine":
         from streamer.async_engine import AsyncEngine
 

@@ -22,6 +22,7 @@ from streamer.errors import EngineDeadError
 from streamer.llm_engine import LLMEngine
 from streamer.lora.request import LoRARequest
 from streamer.outputs import PromptProgress, RequestOutput, StepRecord
+from streamer.pooling import PoolingParams
 from streamer.prompts import PromptProcessor, TokenizedPrompt
 from streamer.sampling_params import SamplingParams
 
@@ -34,7 +35,7 @@ PROGRESS_EVERY_S = 0.25  # how fresh prompt_progress() is
 class AddCommand:
     request_id: str
     prompt: Any
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     priority: int
     resume_token_ids: list[list[int]] | None
     stream: asyncio.Queue[RequestOutput | BaseException]  # where its outputs go
@@ -100,19 +101,22 @@ class AsyncEngine:
         await self.shutdown()
 
     # ---- requests ----------------------------------------------------------------------------
-    async def generate(self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0,
+    async def generate(self, prompt: Any, params: SamplingParams | PoolingParams, request_id: str, priority: int = 0,
                        resume_token_ids: list[list[int]] | None = None, session: str | None = None,
                        lora_request: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Deltas of one request; raises ValueError/QueueFullError before the first if rejected.
         Leaving the loop early (break, cancellation) aborts the request. Calls of a `session`
         queue behind calls of sessions that have had less service (LLMEngine.add_request). With
-        `lora_request` it runs under that adapter (an adapter that cannot be served: ValueError)."""
+        `lora_request` it runs under that adapter (an adapter that cannot be served: ValueError). With
+        PoolingParams it is an embedding: one finished output holding it (`embed`)."""
         if self._error is not None:
             raise EngineDeadError(f"engine stopped after an error: {self._error}")
         await self.start()
         assert self._loop is not None
-        prompt = await self._loop.run_in_executor(self._tokenizing, self._prompts.tokenize, prompt)
-        if params.structured_outputs is not None:  # compiled here, so the engine thread finds it cached
+        room = 0 if isinstance(params, PoolingParams) else 1  # an embedding generates nothing: it may fill the model
+        prompt = await self._loop.run_in_executor(self._tokenizing, self._prompts.tokenize, prompt, room)
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            # compiled here, so the engine thread finds it cached
             await self._loop.run_in_executor(self._compiling, self._compile, params.structured_outputs)
         accepted: asyncio.Future[None] = self._loop.create_future()
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -140,6 +144,16 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    async def embed(self, prompt: Any, params: PoolingParams, request_id: str, priority: int = 0,
+                    session: str | None = None) -> RequestOutput:
+        """The embedding of a prompt, batched with generation (streamer/pooling.py): its `embedding`,
+        or `error` set when the engine could not run it. ValueError/QueueFullError when refused."""
+        last: RequestOutput | None = None
+        async for out in self.generate(prompt, params, request_id, priority, session=session):
+            last = out
+        assert last is not None
+        return last
 
     def _compile(self, spec: dict[str, Any]) -> None:
         self.engine.grammars().compile(spec)  # GrammarError (a ValueError) for a spec that does not compile

@@ -50,6 +50,9 @@ class EngineConfig:
     # 0: no adapters), and the largest adapter rank accepted.
     max_loras: int = 4
     max_lora_rank: int = 16
+    # Embeddings (docs/openai.md#embeddings): how a request that names no pooling pools, last | mean; None: the
+    # checkpoint's sentence-transformers config (modules.json), else the last token, as vLLM's decoder models
+    pooling: str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -81,6 +84,7 @@ class EngineConfig:
             (self.grammar_compile_workers > 0, "grammar_compile_workers must be positive"),
             (self.max_loras >= 0, "max_loras must be 0 or more"),
             (0 < self.max_lora_rank <= 256, "max_lora_rank must be in 1..256"),
+            (self.pooling in (None, "last", "mean"), "pooling must be last or mean"),
         ]
         for ok, message in checks:
             if not ok:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from streamer.errors import EngineDeadError, TensorParallelError
 from streamer.executor import Executor
@@ -98,6 +99,7 @@ def _merge(outputs: list[ModelOutput]) -> ModelOutput:
     logprobs: list[dict[int, float] | None] = []
     beam_logprobs: list = []
     accepted: list[list[int]] = []
+    pooled: dict[int, Any] = {}
     for seqs, result in outputs:
         if result is None:
             continue
@@ -106,6 +108,7 @@ def _merge(outputs: list[ModelOutput]) -> ModelOutput:
         logprobs += result.logprobs
         beam_logprobs += result.beam_logprobs
         accepted += result.accepted or [[] for _ in seqs]
-    if not sampled:
+        pooled.update(result.pooled)
+    if not sampled and not pooled:
         return sampled, None
-    return sampled, SamplerOutput(token_ids, logprobs, beam_logprobs, accepted if any(accepted) else None)
+    return sampled, SamplerOutput(token_ids, logprobs, beam_logprobs, accepted if any(accepted) else None, pooled)

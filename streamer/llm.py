@@ -8,6 +8,7 @@ from streamer.config import EngineConfig
 from streamer.llm_engine import LLMEngine
 from streamer.lora.request import LoRARequest
 from streamer.outputs import CompletionOutput, RequestOutput
+from streamer.pooling import PoolingParams
 from streamer.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -18,7 +19,8 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
         self._next_id = 0
 
-    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | list[Prompt],
+                 params: SamplingParams | PoolingParams | list[SamplingParams | PoolingParams] | None = None,
                  priorities: list[int] | None = None,
                  lora_request: LoRARequest | None | list[LoRARequest | None] = None) -> list[RequestOutput]:
         """Run all prompts to completion; outputs are whole (not deltas), in prompt order.
@@ -45,6 +47,10 @@ class LLM:
             for delta in self.engine.step():
                 _merge(merged, delta)
         return [merged[i] for i in ids]
+
+    def embed(self, prompts: Prompt | list[Prompt], params: PoolingParams | None = None) -> list[RequestOutput]:
+        """Embeddings of the prompts (each output's `embedding`), in prompt order, as vLLM's `LLM.embed`."""
+        return self.generate(prompts, params or PoolingParams())
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
@@ -84,3 +90,4 @@ def _merge(merged: dict[str, RequestOutput], delta: RequestOutput) -> None:
     current.finished = delta.finished
     current.num_cached_tokens = delta.num_cached_tokens
     current.error = delta.error
+    current.embedding = delta.embedding

@@ -24,6 +24,7 @@ from streamer.lora.request import LoRARequest
 from streamer.model_config import ModelConfig
 from streamer.output_processor import OutputProcessor
 from streamer.outputs import PromptProgress, RequestOutput, StepRecord
+from streamer.pooling import PREFILL_ONLY, ModelPooling, PoolingParams, PoolingState
 from streamer.prompts import PromptProcessor, TokenizedPrompt
 from streamer.request import Request, Sequence
 from streamer.sampler import Sampler
@@ -61,6 +62,7 @@ class LLMEngine:
                                                        config=self.model_config.hf_config)
         self.eos_token_ids = frozenset(_eos_token_ids(self.model_config.path, self.tokenizer))
         self.generation_defaults = generation_defaults(self.model_config.path)
+        self.pooling = ModelPooling.load(self.model_config.path, self.model_config.hf_config, config.pooling)
         self.executor = make_executor(config, self.model_config, self.device, Sampler(self.eos_token_ids, config.seed))
         # A sequence can never outgrow the whole cache, so cap its length there.
         self.max_model_len = min(self.model_config.max_model_len, self.executor.num_kv_blocks * config.block_size)
@@ -93,7 +95,7 @@ class LLMEngine:
         return self.prompts.chat(messages, tools).token_ids
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict[str, Any] | TokenizedPrompt,
-                    params: SamplingParams, priority: int = 0,
+                    params: SamplingParams | PoolingParams, priority: int = 0,
                     resume_token_ids: list[list[int]] | None = None, session: str | None = None,
                     lora_request: LoRARequest | None = None) -> None:
         """Queue a request. Its `session` (a conversation or an agent) is ranked in the waiting
@@ -104,6 +106,13 @@ class LLMEngine:
             raise ValueError("request_id must be a non-empty string")
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(params, PoolingParams):
+            if resume_token_ids or lora_request is not None:
+                raise ValueError("an embedding request takes no resume_token_ids and no LoRA adapter")
+            self._add_pooling(request_id, prompt, params, priority, session)
+            return
+        if not self.model_config.generates:
+            raise ValueError("this checkpoint has no LM head (an embedding model): it serves embeddings only")
         tokenized = self.prompts.tokenize(prompt)
         tokens, text = tokenized.token_ids, tokenized.text
         resume = resume_token_ids or []
@@ -127,6 +136,18 @@ class LLMEngine:
         request = Request(request_id, tokens, params, seqs, text)
         self.scheduler.add_request(request, resumed=bool(resume))
         self.output_processor.add_request(request, resume)
+
+    def _add_pooling(self, request_id: str, prompt: str | list[int] | dict[str, Any] | TokenizedPrompt,
+                     params: PoolingParams, priority: int, session: str | None) -> None:
+        """An embedding: one sequence that computes its prompt (the whole model length: nothing is
+        generated after it) and is pooled, in the same batches as generation (streamer/pooling.py)."""
+        tokenized = self.prompts.tokenize(prompt, room=0)
+        seq = Sequence(request_id=request_id, index=0, token_ids=list(tokenized.token_ids),
+                       num_prompt_tokens=len(tokenized.token_ids), params=PREFILL_ONLY, priority=priority,
+                       session=session, pooling=PoolingState(self.pooling.resolve(params)))
+        request = Request(request_id, tokenized.token_ids, PREFILL_ONLY, [seq], tokenized.text)
+        self.scheduler.add_request(request)
+        self.output_processor.add_request(request, [])
 
     def _check_lora(self, lora: LoRARequest) -> None:
         manager = getattr(self.executor, "lora", None)

@@ -13,6 +13,7 @@ from streamer.architectures import SUPPORTED_ARCHITECTURES, unsupported_message
 from streamer.errors import ConfigError
 from streamer.hf_config import load_hf_config
 from streamer.layers.attention import sliding_window
+from streamer.model_loader import has_tensor
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -32,6 +33,9 @@ class ModelConfig:
     head_size: int
     # > 0: every layer attends to its last kv_window keys only, so the blocks before them can go
     kv_window: int = 0
+    # False: the checkpoint has no LM head (an embedding model saved as its base model, as
+    # Qwen3-Embedding): it serves embeddings only (streamer/pooling.py)
+    generates: bool = True
 
     @classmethod
     def load(cls, path: str, dtype: str | None, device: torch.device, max_model_len: int | None) -> ModelConfig:
@@ -60,6 +64,7 @@ class ModelConfig:
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
             head_size=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
             kv_window=_kv_window(hf),
+            generates=bool(getattr(hf, "tie_word_embeddings", False)) or has_tensor(root, "lm_head.weight"),
         )
 
 

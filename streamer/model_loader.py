@@ -27,10 +27,24 @@ def _replicated_loader(param: nn.Parameter, loaded: Any, shard_id: Any = None) -
     param.data.copy_(loaded[:])
 
 
-def load_weights(model: nn.Module, root: Path, skipped_suffixes: tuple[str, ...] = ()) -> None:
+def has_tensor(root: Path, name: str) -> bool:
+    """Whether the checkpoint stores a tensor of that name (read from the index or the files' headers)."""
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        return name in json.loads(index.read_text())["weight_map"]
+    for file in checkpoint_files(root):
+        with safe_open(str(file), framework="pt") as f:
+            if name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                return True
+    return False
+
+
+def load_weights(model: nn.Module, root: Path, skipped_suffixes: tuple[str, ...] = (),
+                 optional: tuple[str, ...] = ()) -> None:
     """Copy every checkpoint tensor into its parameter. Tensors are read lazily as slices so each
     tensor-parallel rank reads only its own shard from disk. Names ending in `skipped_suffixes`
-    are not read (a quantized checkpoint's zero points, streamer/quantization/compressed_tensors.py)."""
+    are not read (a quantized checkpoint's zero points, streamer/quantization/compressed_tensors.py);
+    parameters named in `optional` may be missing (an embedding checkpoint's LM head)."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for file in checkpoint_files(root):
@@ -49,6 +63,6 @@ def load_weights(model: nn.Module, root: Path, skipped_suffixes: tuple[str, ...]
                 with torch.no_grad():
                     loader(param, f.get_slice(name), shard_id)
                 loaded.add(param_name)
-    missing = set(params) - loaded
+    missing = set(params) - loaded - set(optional)
     if missing:
         raise KeyError(f"checkpoint lacks weights for: {', '.join(sorted(missing)[:8])}")

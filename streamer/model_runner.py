@@ -23,6 +23,7 @@ from streamer.model_loader import load_weights
 from streamer.models.registry import model_class
 from streamer.outputs import StepPhases
 from streamer.parallel_state import SINGLE, TPGroup, building_with
+from streamer.pooling import chunk_partial
 from streamer.quantization import quantize_model
 from streamer.quantization.compressed_tensors import (
     SKIPPED_SUFFIXES,
@@ -60,7 +61,8 @@ class ModelRunner:
         prequantized = is_compressed_int8(model_config.hf_config)  # an int8 checkpoint: its own values kept
         if prequantized:
             add_scale_slots(self.model, model_config.path)
-        load_weights(self.model, model_config.path, SKIPPED_SUFFIXES if prequantized else ())
+        load_weights(self.model, model_config.path, SKIPPED_SUFFIXES if prequantized else (),
+                     optional=() if model_config.generates else ("lm_head.weight",))
         self.model.eval()
         # Adapters ride on the linear modules' outputs (forward hooks); with tensor parallelism each
         # rank would need its shard of every adapter, which is not built: LoRA runs on one rank. Built
@@ -146,29 +148,42 @@ class ModelRunner:
         """Nothing to stop in-process; tensor-parallel executors join their ranks here."""
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+    def run(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Block copies (copy-on-write), then the model; logits of the sample rows (None when no
-        sequence samples). With tensor parallelism every rank runs this on the same inputs."""
+        sequence samples) and final hidden states of the pool rows (None when none pools). With
+        tensor parallelism every rank runs this on the same inputs."""
         if inputs.block_copies.numel():
             self.backend.copy_blocks(self.key_caches, self.value_caches, inputs.block_copies)
         lora_step = self.lora is not None and self.lora.batch.active
-        if self.graphs is not None and self.graphs.handles(inputs) and not lora_step:  # graphs hold no adapter
-            return self.graphs.run(inputs)
-        rows = inputs.sample_rows
-        if rows.numel() < inputs.input_ids.numel():  # a prompt's chunk: most rows only feed the cache
+        pool = inputs.pool_rows
+        if self.graphs is not None and self.graphs.handles(inputs) and not lora_step and not pool.numel():
+            return self.graphs.run(inputs), None  # graphs hold no adapter, and give logits only
+        samples = inputs.sample_rows
+        rows = torch.cat((samples, pool)) if pool.numel() else samples
+        if rows.numel() < inputs.input_ids.numel() and not inputs.pool_every_row:
+            # A prompt's chunk: most rows only feed the cache. (Every wanted row is its chunk's last,
+            # so it may attend as a decode: a mean-pooled chunk needs its every row, computed whole.)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta,
                                 Rows(rows, sample_rows_meta(inputs.meta, rows)))
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)[rows]
-        return self.model.compute_logits(hidden) if rows.numel() else None
+        n = samples.numel()
+        logits = self.model.compute_logits(hidden[:n] if pool.numel() else hidden) if n else None
+        return logits, hidden[n:] if pool.numel() else None
 
-    def sample(self, step: FlatStep, logits: torch.Tensor | None) -> tuple[list[Sequence], SamplerOutput | None]:
+    def sample(self, step: FlatStep, logits: torch.Tensor | None, pooled: torch.Tensor | None = None
+               ) -> tuple[list[Sequence], SamplerOutput | None]:
+        """The sample rows' tokens, and the pool rows' contributions to their embeddings."""
+        partials = pool_partials(step, pooled)
         if logits is None:
-            return [], None
+            return [], SamplerOutput([], [], [], pooled=partials) if partials else None
         assert self.sampler is not None, "only rank 0 samples"
         if any(step.drafts):
-            return step.sample_seqs, self.sampler.with_drafts(logits, step.sample_seqs, step.drafts)
-        return step.sample_seqs, self.sampler(logits, step.sample_seqs)
+            result = self.sampler.with_drafts(logits, step.sample_seqs, step.drafts)
+        else:
+            result = self.sampler(logits, step.sample_seqs)
+        result.pooled = partials
+        return step.sample_seqs, result
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]] | None = None
@@ -183,14 +198,28 @@ class ModelRunner:
         t1 = time.monotonic()
         lora = self.lora is not None and self.lora.begin_step(step.row_loras, inputs.sample_rows)
         try:
-            logits = self.run(inputs)
+            logits, pooled = self.run(inputs)
         finally:
             if lora:
                 self.lora.end_step()
         t2 = time.monotonic()
-        result = self.sample(step, logits)
+        result = self.sample(step, logits, pooled)
         self.phases = StepPhases(prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=time.monotonic() - t2)
         return result
+
+
+def pool_partials(step: FlatStep, pooled: torch.Tensor | None) -> dict[int, torch.Tensor]:
+    """Each pooling sequence's share of the step's pool rows, reduced on the device and copied to the
+    host at once: by seq_id, what its chunk adds to its pool (streamer/pooling.py)."""
+    if pooled is None or not step.pool_seqs:
+        return {}
+    parts, start = [], 0
+    for seq, n in step.pool_seqs:
+        assert seq.pooling is not None
+        parts.append(chunk_partial(pooled[start:start + n], seq.pooling.params.pooling))
+        start += n
+    host = torch.stack(parts).cpu()
+    return {seq.seq_id: host[i] for i, (seq, _) in enumerate(step.pool_seqs)}
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

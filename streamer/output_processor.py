@@ -46,7 +46,7 @@ class OutputProcessor:
         """Start the text of each sample; `resumed[i]`: tokens sample i already streamed in an
         earlier run, replayed into the text state only."""
         samples: dict[int, SeqText] = {}
-        if not request.params.use_beam_search:
+        if not request.params.use_beam_search and request.sequences[0].pooling is None:  # an embedding has no text
             for seq in request.sequences:
                 detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, request.prompt_token_ids,
                                                request.params)
@@ -83,6 +83,14 @@ class OutputProcessor:
         """Outputs of one step, and the sequences a stop string ended (still to be finished)."""
         outputs, self._aborted = self._aborted, []
         outputs += [self._beam_output(result) for result in core.beam_results]
+        for pooled in core.pooled:
+            state = self._states.pop(pooled.seq.request_id, None)
+            if state is None:  # aborted in the meantime: its final output is out already
+                continue
+            request = state.request
+            outputs.append(RequestOutput(request.request_id, request.prompt_token_ids, [], finished=True,
+                                         prompt=request.prompt, metrics=request.metrics,
+                                         embedding=pooled.embedding))
         touched: dict[str, list[CompletionOutput]] = {}
         stopped: list[Sequence] = []
         for update in core.updates:

@@ -74,3 +74,5 @@ class RequestOutput:
     error: str | None = None  # why the engine could not run this request (finish_reason "error")
     error_code: str | None = None  # "invalid_params": the request's own spec was at fault; None: the engine's
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    # An embedding request's pooled vector (streamer/pooling.py), on its one finished output; None otherwise
+    embedding: list[float] | None = field(default=None, repr=False)

@@ -30,23 +30,25 @@ class PromptProcessor:
         can fit (a byte-level entry spells one byte per character, and a character is at least a byte)."""
         return max((len(t) for t in self.tokenizer.get_vocab()), default=1) or 1
 
-    def tokenize(self, prompt: str | list[int] | dict[str, Any] | TokenizedPrompt) -> TokenizedPrompt:
+    def tokenize(self, prompt: str | list[int] | dict[str, Any] | TokenizedPrompt, room: int = 1) -> TokenizedPrompt:
         """Text, token ids, {"prompt": ...} or {"prompt_token_ids": ...}; ValueError when it is none of
-        those, empty, outside the vocabulary or too long for the model."""
+        those, empty, outside the vocabulary or too long for the model with `room` tokens after it (1:
+        one to generate; 0: an embedding, which generates none)."""
         if isinstance(prompt, TokenizedPrompt):
-            return self._checked(prompt)
+            return self._checked(prompt, room)
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids"}
             if unknown or len(prompt) != 1:
                 raise ValueError("a prompt dict needs exactly one of 'prompt' or 'prompt_token_ids'")
             prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
         if isinstance(prompt, str):
-            if len(prompt) > (self.max_model_len - 1) * self.max_token_chars:
-                raise ValueError(f"prompt has {len(prompt)} characters: more than the model's {self.max_model_len - 1} "
-                                 f"prompt tokens can hold (at most {self.max_token_chars} characters each)")
-            return self._checked(TokenizedPrompt(self.tokenizer(prompt).input_ids, prompt))
+            if len(prompt) > (self.max_model_len - room) * self.max_token_chars:
+                raise ValueError(f"prompt has {len(prompt)} characters: more than the model's "
+                                 f"{self.max_model_len - room} prompt tokens can hold (at most "
+                                 f"{self.max_token_chars} characters each)")
+            return self._checked(TokenizedPrompt(self.tokenizer(prompt).input_ids, prompt), room)
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return self._checked(TokenizedPrompt(list(prompt)))
+            return self._checked(TokenizedPrompt(list(prompt)), room)
         raise ValueError("prompt must be a string, a list of token ids, or {'prompt_token_ids': [...]}")
 
     def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> TokenizedPrompt:
@@ -73,15 +75,15 @@ class PromptProcessor:
             raise ValueError(f"token ids must be in [0, {self.vocab_size})")
         return self.tokenizer.decode(token_ids)
 
-    def _checked(self, prompt: TokenizedPrompt) -> TokenizedPrompt:
+    def _checked(self, prompt: TokenizedPrompt, room: int = 1) -> TokenizedPrompt:
         if not prompt.token_ids:
             raise ValueError("prompt is empty")
         ids = prompt.token_ids
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             bad = next(t for t in ids if not 0 <= t < self.vocab_size)
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if len(prompt.token_ids) >= self.max_model_len:
+        if len(prompt.token_ids) > self.max_model_len - room:
+            left = ", one token left to generate" if room else ""
             raise ValueError(f"prompt has {len(prompt.token_ids)} tokens but the model allows at most "
-                             f"{self.max_model_len - 1} (max_model_len {self.max_model_len}, one token "
-                             "left to generate)")
+                             f"{self.max_model_len - room} (max_model_len {self.max_model_len}{left})")
         return prompt

@@ -17,6 +17,7 @@ from streamer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from streamer.grammar import GrammarState
+    from streamer.pooling import PoolingState
 
 _seq_ids = itertools.count()
 
@@ -53,6 +54,8 @@ class Sequence:
     num_preemptions: int = 0
     grammar: GrammarState | None = field(default=None, repr=False)  # structured outputs (grammar.py)
     lora: LoRARequest | None = None  # the adapter it runs under (streamer/lora); None: the base model
+    # An embedding: its prompt is computed and pooled (streamer/pooling.py), nothing sampled; None: generation
+    pooling: PoolingState | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from streamer_kernels.cpu_extension import load as cpu_kernels
@@ -34,6 +34,9 @@ class SamplerOutput:
     beam_logprobs: list[torch.Tensor | None]  # full next-token log-probs, for beam-search rows
     # Per sequence, the drafts it kept before its token (speculative decoding); None: no drafts this step.
     accepted: list[list[int]] | None = None
+    # The step's pooling sequences (embeddings, streamer/pooling.py), by seq_id: what their chunk adds to
+    # their pool (a float32 vector on the CPU). Carried here, beside the sampled tokens, as the step's output.
+    pooled: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class Sampler:

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 from streamer.beam_requests import Beams
 from streamer.beam_search import Selection
-from streamer.block_manager import BlockManager
+from streamer.block_manager import BlockManager, PrefixHit
 from streamer.errors import QueueFullError
 from streamer.outputs import PromptProgress
 from streamer.preemption import priority_victims
 from streamer.request import Request, SeqStatus, Sequence
-from streamer.scheduler_output import ScheduledSeq, SchedulerOutput, SeqUpdate, StepUpdates
+from streamer.scheduler_output import PooledResult, ScheduledSeq, SchedulerOutput, SeqUpdate, StepUpdates
 from streamer.scheduler_stats import SchedulerStats
 from streamer.spec_decode.rejection_sampler import can_verify
 from streamer.stop_checker import finish_reason_after
@@ -204,7 +204,8 @@ class Scheduler:
             if seq.lora is not None and seq.lora not in adapters and len(adapters) >= self.config.max_loras:
                 held.append(self.waiting.pop_entry())
                 continue
-            hit = bm.find_cached_prefix(seq)
+            # An embedding pools every token's hidden state, which a cached block does not hold.
+            hit = bm.find_cached_prefix(seq) if seq.pooling is None else PrefixHit()
             if hit.pending or not self._mask_ready(seq):  # shared on its next step / its first mask is still filling
                 held.append(self.waiting.pop_entry())
                 continue
@@ -276,7 +277,12 @@ class Scheduler:
                            ) -> StepUpdates:
         """Advance the step's sequences by what the model computed and sampled."""
         drafted: dict[int, int] = {}
+        sampled, result = model_output
+        core = StepUpdates()
         for item in out.scheduled:
+            if item.seq.pooling is not None:
+                self._pool(item, result, core)
+                continue
             item.seq.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids)  # drafts: if kept
             if item.spec_token_ids:
                 drafted[item.seq.seq_id] = len(item.spec_token_ids)
@@ -287,8 +293,6 @@ class Scheduler:
             for child in item.forks:  # parallel samples start from the computed prompt's blocks
                 self.block_manager.fork(item.seq, child)
                 self._start_running(child, item.seq.num_computed_tokens)
-        sampled, result = model_output
-        core = StepUpdates()
         beam_requests: dict[str, Request] = {}
         for i, seq in enumerate(sampled):
             assert result is not None
@@ -303,6 +307,19 @@ class Scheduler:
         for request in beam_requests.values():
             self._step_beams(request, core)
         return core
+
+    def _pool(self, item: ScheduledSeq, result: SamplerOutput | None, core: StepUpdates) -> None:
+        """An embedding's chunk ran: fold its rows into its pool; after the prompt's last chunk its
+        embedding is done and its blocks are freed at once (prefill only: no KV kept, none cached)."""
+        seq = item.seq
+        assert seq.pooling is not None
+        partial = result.pooled.get(seq.seq_id) if result is not None else None
+        seq.pooling.add(seq.num_computed_tokens, partial, item.num_new_tokens)
+        seq.num_computed_tokens += item.num_new_tokens
+        self.service.add(seq.session, item.num_new_tokens)
+        if seq.num_computed_tokens == seq.num_tokens:
+            core.pooled.append(PooledResult(seq, seq.pooling.result()))
+            self.finish(seq)
 
     def _start_running(self, seq: Sequence, num_computed_tokens: int) -> None:
         """A sequence forked from a running one joins the running set directly."""

@@ -67,8 +67,18 @@ class BeamResult:
 
 
 @dataclass
+class PooledResult:
+    """A pooling sequence whose prompt is computed: its embedding (streamer/pooling.py)."""
+
+    seq: Sequence
+    embedding: list[float]
+
+
+@dataclass
 class StepUpdates:
-    """What one step changed, for the output processor: each sampled token, each finished beam search."""
+    """What one step changed, for the output processor: each sampled token, each finished beam search,
+    each finished embedding."""
 
     updates: list[SeqUpdate] = field(default_factory=list)
     beam_results: list[BeamResult] = field(default_factory=list)
+    pooled: list[PooledResult] = field(default_factory=list)

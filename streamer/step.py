@@ -15,7 +15,7 @@ from streamer.scheduler_output import ScheduledSeq
 
 # The header of a flattened step: sizes of the payload's sections, then the step's maxima.
 HEADER = ("num_tokens", "num_seqs", "table_width", "num_samples", "num_copies", "num_decodes",
-          "max_query_len", "max_seq_len", "max_decode_seq_len")
+          "max_query_len", "max_seq_len", "max_decode_seq_len", "num_pool_rows", "pool_every_row")
 HEADER_LEN = len(HEADER)
 
 
@@ -25,7 +25,8 @@ class FlatStep:
 
     `payload` concatenates input ids, positions, slots (`num_tokens` each), query_start_loc
     (`num_seqs + 1`), seq_lens (`num_seqs`), block tables (`num_seqs x table_width`, padded with
-    0), sample rows (`num_samples`) and block copies (`num_copies` (src, dst) pairs)."""
+    0), sample rows (`num_samples`), block copies (`num_copies` (src, dst) pairs) and pool rows
+    (`num_pool_rows`: the rows whose final hidden states embeddings pool, streamer/pooling.py)."""
 
     header: list[int]
     payload: list[int]
@@ -33,6 +34,8 @@ class FlatStep:
     drafts: list[list[int]]  # rank 0 only: per sample_seqs entry, its drafts, whose rows follow its first
     # rank 0 only: each attention row's adapter (None: the base model) and token count, in flat order
     row_loras: list[tuple[LoRARequest | None, int]] = field(default_factory=list)
+    # rank 0 only: each pooling sequence of the step and how many pool rows it has, in pool-row order
+    pool_seqs: list[tuple[Sequence, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -42,6 +45,10 @@ class StepInputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # index into the flat tokens of each sequence's last new token
     block_copies: torch.Tensor  # [C, 2] (src, dst), done before the model runs
+    # index into the flat tokens of the rows pooled for embeddings (empty: none this step)
+    pool_rows: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    # a pool row is not the last of its chunk (mean pooling): the last layer must compute every row
+    pool_every_row: bool = False
 
 
 def sample_rows_meta(meta: AttentionMetadata, rows: torch.Tensor) -> AttentionMetadata:
@@ -99,6 +106,9 @@ def flatten_step(scheduled: list[ScheduledSeq], block_copies: list[tuple[int, in
     sample_seqs: list[Sequence] = []
     drafts: list[list[int]] = []
     row_loras: list[tuple[LoRARequest | None, int]] = []
+    pool_rows: list[int] = []
+    pool_seqs: list[tuple[Sequence, int]] = []
+    pool_every_row = False
     num_decodes = 0
     for item in batch:
         blocks = item.block_ids
@@ -114,7 +124,13 @@ def flatten_step(scheduled: list[ScheduledSeq], block_copies: list[tuple[int, in
             num_decodes += len(ids) == 1 and _is_decode(item)
             if item.spec_token_ids:
                 sample_rows.append(starts[-1] - 1)
-        if item.spec_token_ids:
+        if item.seq.pooling is not None:  # an embedding: its rows are pooled, nothing is sampled
+            rows = _pool_rows(item, starts[-1])
+            pool_rows += rows
+            pool_every_row |= len(rows) > 1
+            if rows:
+                pool_seqs.append((item.seq, len(rows)))
+        elif item.spec_token_ids:
             sample_seqs.append(item.seq)
             drafts.append(item.spec_token_ids)
         elif item.samples_next_token:
@@ -136,11 +152,21 @@ def flatten_step(scheduled: list[ScheduledSeq], block_copies: list[tuple[int, in
     copies = block_copies or []
     for src, dst in copies:
         payload += (src, dst)
+    payload += pool_rows
     query_lens = [b - a for a, b in zip(starts, starts[1:])]
     header = [starts[-1], len(seq_lens), width, len(sample_rows), len(copies),
               num_decodes, max(query_lens, default=0), max(seq_lens, default=0),
-              max(seq_lens[:num_decodes], default=0)]
-    return FlatStep(header, payload, sample_seqs, drafts, row_loras)
+              max(seq_lens[:num_decodes], default=0), len(pool_rows), int(pool_every_row)]
+    return FlatStep(header, payload, sample_seqs, drafts, row_loras, pool_seqs)
+
+
+def _pool_rows(item: ScheduledSeq, end: int) -> list[int]:
+    """The flat rows of a pooling chunk (ending before row `end`) whose hidden states its pool needs:
+    all of them for the mean, the prompt's last one (in its last chunk only) for the last token."""
+    assert item.seq.pooling is not None
+    if item.seq.pooling.params.pooling == "mean":
+        return list(range(end - item.num_new_tokens, end))
+    return [end - 1] if item.samples_next_token else []
 
 
 def payload_tensor(payload: list[int]) -> torch.Tensor:
@@ -152,13 +178,13 @@ def payload_tensor(payload: list[int]) -> torch.Tensor:
 def section_sizes(header: list[int]) -> list[int]:
     """Lengths of the payload's sections, in order (see FlatStep)."""
     t, b, w, s, c = header[:5]
-    return [t, t, t, b + 1, b, b * w, s, 2 * c]
+    return [t, t, t, b + 1, b, b * w, s, 2 * c, header[9]]
 
 
 def unflatten_step(header: list[int], flat: torch.Tensor) -> StepInputs:
     """Tensors for the model from a flattened step (`flat`: the payload, int64, on the device)."""
-    _, b, w, _, c, num_decodes, max_query_len, max_seq_len, max_decode_seq_len = header
-    ids, pos, slots, starts, lens, tables, rows, copies = flat.split(section_sizes(header))
+    _, b, w, _, c, num_decodes, max_query_len, max_seq_len, max_decode_seq_len, _, pool_every_row = header
+    ids, pos, slots, starts, lens, tables, rows, copies, pool_rows = flat.split(section_sizes(header))
     meta = AttentionMetadata(
         num_decodes=num_decodes,
         query_start_loc=starts.to(torch.int32),
@@ -169,4 +195,4 @@ def unflatten_step(header: list[int], flat: torch.Tensor) -> StepInputs:
         max_seq_len=max_seq_len,
         max_decode_seq_len=max_decode_seq_len,
     )
-    return StepInputs(ids, pos, meta, rows, copies.view(c, 2))
+    return StepInputs(ids, pos, meta, rows, copies.view(c, 2), pool_rows, bool(pool_every_row))

@@ -158,7 +158,7 @@ class TPExecutor:
         try:
             payload = payload_tensor(step.payload)
             self.channel.send(step.header, payload)
-            logits = self.runner.run(unflatten_step(step.header, payload.to(self.device, non_blocking=True)))
+            logits, pooled = self.runner.run(unflatten_step(step.header, payload.to(self.device, non_blocking=True)))
         except BaseException as exc:
             # The ranks may be inside this step's collectives: never run another step with them.
             error = self._fail(exc, wait_s=5.0 if isinstance(exc, Exception) else 0.0)
@@ -166,7 +166,7 @@ class TPExecutor:
                 raise
             raise error from exc
         # Sampling is rank 0's alone: an error there leaves the ranks in step, so it is not fatal.
-        return self.runner.sample(step, logits)
+        return self.runner.sample(step, logits, pooled)
 
     def _fail(self, exc: BaseException | None, wait_s: float = 5.0) -> TensorParallelError:
         """A step failed: find out which rank went (the watchdog may need a moment to see its

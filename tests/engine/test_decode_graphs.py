@@ -74,7 +74,7 @@ def test_padded_step_gives_the_unpadded_logits_and_dummies_write_no_kv(engine: L
     inputs = next_step(engine, [[5, 9, 30, 31, 32], list(range(40, 59)), [77] * 3])
     assert is_pure_decode(inputs) and inputs.input_ids.shape[0] == 3
     before = [c.clone() for c in runner.key_caches + runner.value_caches]
-    eager = runner.run(inputs)
+    eager, _ = runner.run(inputs)  # (logits, pooled hidden states)
     eager_caches = [c.clone() for c in runner.key_caches + runner.value_caches]
     for cache, saved in zip(runner.key_caches + runner.value_caches, before):
         cache.copy_(saved)

@@ -50,8 +50,8 @@ def test_the_sampled_rows_equal_the_whole_layers(llama_ckpt: Path) -> None:
     runner = engine.executor
     run, compared = runner.run, []  # (rows, relative error) of each step compared
 
-    def run_both(inputs: StepInputs) -> torch.Tensor | None:
-        logits = run(inputs)
+    def run_both(inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        logits, pooled = run(inputs)
         rows = inputs.sample_rows
         if rows.numel() and rows.numel() < inputs.input_ids.numel():
             with torch.inference_mode():
@@ -59,7 +59,7 @@ def test_the_sampled_rows_equal_the_whole_layers(llama_ckpt: Path) -> None:
                 expected = runner.model.compute_logits(whole)
             assert logits is not None and logits.shape == expected.shape
             compared.append((rows.numel(), ((logits - expected).norm() / expected.norm()).item()))
-        return logits
+        return logits, pooled
 
     runner.run = run_both
     # Decodes of different sequences next to prompt chunks (each row its own context), and two
