@@ -60,7 +60,8 @@ class Call:
 @dataclass
 class ScriptedEngine:
     """`scripts[prompt]`: the steps of each `generate` call for that prompt, one list per call (the last
-    list is reused by later calls). A prompt given as token ids is looked up as `ids:1,2,3`."""
+    list is reused by later calls). A prompt given as token ids (or rendered from messages by `render`,
+    a TokenizedPrompt) is looked up as `ids:1,2,3`."""
 
     scripts: dict[str, list[list[Step]]] = field(default_factory=dict)
     defaults: dict[str, Any] = field(default_factory=dict)  # sampling_defaults()
@@ -74,7 +75,8 @@ class ScriptedEngine:
     def generate(self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0,
                  resume_token_ids: list[list[int]] | None = None, session: str | None = None,
                  lora_request: Any = None) -> AsyncGenerator[RequestOutput, None]:
-        key = prompt if isinstance(prompt, str) else "ids:" + ",".join(map(str, prompt["prompt_token_ids"]))
+        ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else getattr(prompt, "token_ids", None)
+        key = prompt if isinstance(prompt, str) else "ids:" + ",".join(map(str, ids))
         runs = self.scripts[key]
         n = sum(1 for c in self.calls if c.request_id == request_id)
         self.calls.append(Call(prompt, params, request_id, priority, resume_token_ids, session, lora_request))

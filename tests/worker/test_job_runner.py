@@ -7,6 +7,7 @@ missing) and writes after (usage, finish reasons, log-prob texts). The engine is
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any
@@ -18,12 +19,15 @@ from redis_worker_helpers import check_complete, dead_letters, has_ended, read_e
 from scripted_engine import ScriptedEngine, answer, output, sample, scripted_worker
 from test_worker_deliveries import push_delivered
 
-from clients.events import done_event
+from clients.events import done_event, token_event
 from clients.loras import encode_entry
 from clients.protocol import Names, encode, encode_job, event_stream_id
 from clients.redis_client import AsyncClient
+from clients.routing import answer_chain, prefix_chain
 from streamer.errors import EngineDeadError, GrammarError, QueueFullError
 from streamer.lora import LoRARequest
+from streamer.prompts import TokenizedPrompt
+from workers.worker.redis_worker import Worker
 
 NAMES = Names()
 GREEDY = {"max_tokens": 8, "temperature": 0.0}
@@ -312,3 +316,87 @@ async def test_a_job_that_does_not_validate_is_answered_with_its_code(redis_url:
     code, _ = error_of(read_events(redis_url, "bad"))
     assert code == "invalid_request" and engine.calls == [] and dead_letters(redis_url) == []
     r.close()
+
+
+def samples(worker: Worker, name: str, **labels: str) -> float:
+    """The sum of a worker metric's samples of that name (and those labels), as /metrics shows them."""
+    return sum(s.value for metric in worker.metrics.registry.collect() for s in metric.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def left_by_a_dead_worker(r: redis.Redis, rid: str, token_ids: list[int], text: str, **job: Any) -> None:
+    """A job whose worker wrote its first token event, then died: the next delivery resumes it."""
+    r.xadd(NAMES.events(rid), {"json": encode(token_event(rid, 0, 0, token_ids, text), "json")},
+           id=event_stream_id(0))
+    r.xgroup_create(NAMES.requests, NAMES.group, id="0", mkstream=True)
+    r.xadd(NAMES.requests, encode_job({"id": rid, "params": GREEDY, **job}))
+    r.xreadgroup(NAMES.group, "dead-0", {NAMES.requests: ">"})
+
+
+@pytest.mark.anyio
+async def test_the_workers_metrics_count_each_job_once_and_a_resumed_one_without_its_first_token(
+        redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    left_by_a_dead_worker(r, "resumed", [1], "a", prompt="r")
+    engine = ScriptedEngine({"r": [answer("bc", (2, 3))], "p": [answer("abc", (1, 2, 3))],
+                             "bad": [[output(error="step failed")]]})
+    async with scripted_worker(engine, redis_url, claim_idle_s=0.3) as worker, AsyncClient(redis_url) as client:
+        await wait_for(lambda: has_ended(redis_url, "resumed"), timeout=10)
+        resumed = {k: samples(worker, k) for k in ("vllm:time_to_first_token_seconds_count",
+                                                   "vllm:generation_tokens_total")}
+        await client.submit("p", id="fresh", params=GREEDY)
+        await client.submit("bad", id="bad", params=TWO)
+        await wait_for(lambda: has_ended(redis_url, "fresh") and has_ended(redis_url, "bad"), timeout=10)
+        assert engine.calls[0].resume_token_ids == [[1]]
+        # Its first token was counted by the worker that wrote it: only the rest here, and no TTFT.
+        assert resumed == {"vllm:time_to_first_token_seconds_count": 0, "vllm:generation_tokens_total": 2}
+        assert samples(worker, "vllm:time_to_first_token_seconds_count") == 1  # the fresh one's
+        assert samples(worker, "vllm:generation_tokens_total") == 2 + 3
+        assert samples(worker, "vllm:request_success_total", finished_reason="error") == 2  # one per sample
+        assert samples(worker, "vllm:request_success_total", finished_reason="length") == 2
+    r.close()
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.anyio
+async def test_a_chat_answer_is_advertised_as_the_next_turns_prefix_unless_resumed(redis_url: str) -> None:
+    """The worker's cache holds the answer's KV too: its chain extended by the answer as the next turn
+    sends it is advertised for routing (accounting.py). A resumed job's text here is only part of it."""
+    r = redis.Redis.from_url(redis_url)
+    left_by_a_dead_worker(r, "resumed", [1], "a", messages=CHAT, session="s-2")
+    engine = ScriptedEngine({"ids:5,6,7": [answer("abc", (1, 2, 3))]}, render=lambda m: TokenizedPrompt([5, 6, 7]))
+    async with scripted_worker(engine, redis_url, claim_idle_s=0.3, consumer="me"), \
+            AsyncClient(redis_url) as client:
+        await wait_for(lambda: has_ended(redis_url, "resumed"), timeout=10)
+        await client.submit(messages=CHAT, id="fresh", params=GREEDY, session="s-1")
+        await wait_for(lambda: has_ended(redis_url, "fresh"), timeout=10)
+        answered = {s.digest for s in answer_chain({"messages": CHAT}, "abc")}
+        asked = {s.digest for s in prefix_chain({"messages": CHAT})}
+        # Exactly these: the resumed job's chain extended by its part here ("bc") is not among them.
+        await wait_for(lambda: {d.decode() for d in r.smembers(NAMES.worker_prefixes("me"))} == answered | asked,
+                       timeout=10)
+    r.close()
+
+
+WEATHER_TOOL = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+@pytest.mark.anyio
+async def test_tool_calls_are_read_from_the_stream_and_end_with_tool_calls(redis_url: str) -> None:
+    text = "Sure.\n" + CALL
+    cut = [text[:9], text[9:40], text[40:]]
+    engine = ScriptedEngine({"ids:5,6,7": [[
+        output(sample(0, cut[0], [1])), output(sample(0, cut[1], [2])),
+        output(sample(0, cut[2], [3], "stop"), finished=True)]]}, render=lambda m: TokenizedPrompt([5, 6, 7]))
+    async with scripted_worker(engine, redis_url, tool_call_parser="hermes"), AsyncClient(redis_url) as client:
+        await client.submit(messages=CHAT, tools=WEATHER_TOOL, id="calls", params=GREEDY)
+        await wait_for(lambda: has_ended(redis_url, "calls"), timeout=10)
+    events = read_events(redis_url, "calls")
+    assert "".join(e["text"] for e in events) == "Sure.\n"
+    calls = [c for e in events for c in e.get("tool_calls") or []]
+    assert calls and calls[0]["function"]["name"] == "get_weather"
+    assert json.loads("".join(c["function"].get("arguments") or "" for c in calls)) == {"city": "Oslo"}
+    assert check_complete(events)["finish_reasons"] == ["tool_calls"]
