@@ -30,10 +30,11 @@ def done_event(request_id: str, seq: int, finish_reasons: list[str], usage: dict
             "usage": usage}
 
 
-def result_event(request_id: str, seq: int, result: dict[str, Any]) -> dict[str, Any]:
-    """The answer of a tokenize or detokenize job: a `done` event (every reader knows it ends the
-    request) holding the task's `result`."""
-    return {**done_event(request_id, seq, ["stop"], {"prompt_tokens": 0, "completion_tokens": 0}), "result": result}
+def result_event(request_id: str, seq: int, result: dict[str, Any], prompt_tokens: int = 0) -> dict[str, Any]:
+    """The answer of a tokenize, detokenize or embed job: a `done` event (every reader knows it ends the
+    request) holding the task's `result`; `prompt_tokens`: what the engine computed for it (an embedding)."""
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0}
+    return {**done_event(request_id, seq, ["stop"], usage), "result": result}
 
 
 def error_event(request_id: str, seq: int, code: str, message: str) -> dict[str, Any]:

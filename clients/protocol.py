@@ -25,12 +25,17 @@ JOB_FIELDS = frozenset(
     {"v", "id", "prompt", "prompt_token_ids", "messages", "tools", "tool_choice", "params", "priority", "deadline",
      "tenant", "session", "lora", "traceparent", "task", "options"}
 )
-# What a job asks of a worker: text generated (the default), or its prompt's tokens counted or decoded
-# (vLLM's /tokenize and /detokenize), answered with one `done` event holding a `result`.
-TASKS = ("generate", "tokenize", "detokenize")
-TASK_OPTIONS = {"generate": frozenset(), "detokenize": frozenset(),
-                "tokenize": frozenset({"add_special_tokens", "add_generation_prompt", "continue_final_message",
-                                       "return_token_strs"})}
+# What a job asks of a worker: text generated (the default), its prompt's tokens counted or decoded
+# (vLLM's /tokenize and /detokenize) or its prompt's embedding (/v1/embeddings), answered with one `done`
+# event holding a `result`.
+TASKS = ("generate", "tokenize", "detokenize", "embed")
+POOLINGS = ("last", "mean")
+# Each task's options and what each takes: bool, a positive int, or one of a tuple of strings.
+TASK_OPTIONS: dict[str, dict[str, Any]] = {
+    "generate": {}, "detokenize": {},
+    "tokenize": dict.fromkeys(("add_special_tokens", "add_generation_prompt", "continue_final_message",
+                               "return_token_strs"), bool),
+    "embed": {"pooling": POOLINGS, "normalize": bool, "dimensions": int}}
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
 # https://www.w3.org/TR/trace-context/#traceparent-header (version 00, lower-case hex).
 TRACEPARENT_RE = re.compile(r"^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
@@ -70,7 +75,7 @@ class Job:
     lora: str = ""  # the registered LoRA adapter it runs under ("": the base model)
     traceparent: str = ""  # W3C trace context of the span that submitted it ("": not traced)
     task: str = "generate"  # one of TASKS
-    options: dict[str, bool] = field(default_factory=dict)  # the task's switches (TASK_OPTIONS)
+    options: dict[str, Any] = field(default_factory=dict)  # the task's options (TASK_OPTIONS)
 
 
 def event_stream_id(seq: int) -> str:
@@ -325,16 +330,30 @@ def _parse_task(obj: dict[str, Any], job: Job, bad: Any) -> None:
     if task not in TASKS:
         raise bad(f"`task` must be one of {list(TASKS)}")
     options = obj.get("options") or {}
-    if not isinstance(options, dict) or not all(isinstance(v, bool) for v in options.values()):
-        raise bad("`options` must be a map of booleans")
-    unknown = sorted(set(options) - TASK_OPTIONS[task])
+    if not isinstance(options, dict):
+        raise bad("`options` must be a map from option name to value")
+    allowed = TASK_OPTIONS[task]
+    unknown = sorted(set(options) - set(allowed))
     if unknown:
-        raise bad(f"unknown option(s) {unknown} for task {task!r}; allowed: {sorted(TASK_OPTIONS[task])}")
+        raise bad(f"unknown option(s) {unknown} for task {task!r}; allowed: {sorted(allowed)}")
+    for name, value in options.items():
+        _check_option(name, value, allowed[name], bad)
     if task == "tokenize" and job.prompt_token_ids is not None:
         raise bad("a tokenize job takes `prompt` or `messages`")
     if task == "detokenize" and job.prompt_token_ids is None:
         raise bad("a detokenize job takes `prompt_token_ids`")
+    if task == "embed" and job.messages is not None:
+        raise bad("an embed job takes `prompt` or `prompt_token_ids`")
     job.task, job.options = task, options
+
+
+def _check_option(name: str, value: Any, kind: Any, bad: Any) -> None:
+    if kind is bool and not isinstance(value, bool):
+        raise bad(f"option `{name}` must be a boolean")
+    if kind is int and (not is_int(value) or value < 1):
+        raise bad(f"option `{name}` must be a positive integer")
+    if isinstance(kind, tuple) and value not in kind:
+        raise bad(f"option `{name}` must be one of {list(kind)}")
 
 
 def decode_job(fields: dict[Any, Any], limits: Limits = Limits()) -> Job:

@@ -468,7 +468,11 @@ def test_a_traceparent_must_be_a_w3c_trace_context(value: object) -> None:
 
 @pytest.mark.parametrize(("extra", "said"), [
     ({"task": "translate"}, "`task` must be one of"),
-    ({"task": "tokenize", "options": {"add_special_tokens": "yes"}}, "map of booleans"),
+    ({"task": "tokenize", "options": {"add_special_tokens": "yes"}}, "option `add_special_tokens` must be a boolean"),
+    ({"task": "tokenize", "options": ["add_special_tokens"]}, "`options` must be a map"),
+    ({"task": "embed", "options": {"pooling": "cls"}}, "option `pooling` must be one of ['last', 'mean']"),
+    ({"task": "embed", "options": {"dimensions": 0}}, "option `dimensions` must be a positive integer"),
+    ({"task": "embed", "options": {"dimensions": True}}, "option `dimensions` must be a positive integer"),
     ({"task": "tokenize", "options": {"echo": True}}, "unknown option(s) ['echo']"),
     ({"options": {"add_special_tokens": True}}, "for task 'generate'"),
     ({"task": "detokenize"}, "takes `prompt_token_ids`"),

@@ -212,7 +212,7 @@ def test_async_engine_fits_the_workers_engine_seam() -> None:
     from workers.worker.engine import Engine
 
     methods = [n for n, v in vars(Engine).items() if inspect.isfunction(v) and not n.startswith("_")]
-    assert sorted(methods) == ["abort", "admission_capacity", "chat_template", "detokenize", "generate",
+    assert sorted(methods) == ["abort", "admission_capacity", "chat_template", "detokenize", "embed", "generate",
                               "output_text", "prompt_progress", "render_chat", "sampling_defaults", "stats",
                               "take_step_records", "token_texts", "tokenize"]
     for name in methods:

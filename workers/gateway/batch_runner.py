@@ -26,9 +26,10 @@ from clients.backoff import TRANSIENT
 from clients.errors import ProtocolError
 from clients.protocol import decode_payload, split_fields
 from workers.gateway.openai.batch_store import WINDOW_S, BatchStore
+from workers.gateway.openai.embeddings import assembler_for
 from workers.gateway.openai.file_store import RedisFileStore, StoredFile
 from workers.gateway.openai.jobs import GatewayServices
-from workers.gateway.openai.response import Assembler, StreamMeta
+from workers.gateway.openai.response import StreamMeta
 from workers.gateway.submit import submit_jobs
 from workers.gateway.tenants import RateLimited
 
@@ -205,7 +206,7 @@ class BatchRunner:
 
     async def _record(self, batch_id: str, h: _Held, line: dict[str, Any]) -> None:
         meta = StreamMeta(**line["meta"])
-        assembler = Assembler(meta)
+        assembler = assembler_for(meta)
         for j, rid in enumerate(meta.jobs):
             for _entry, fields in await self.gw.hub.redis.xrange(self.gw.hub.names.events(rid)):
                 assembler.on_event(j, decode_payload(*split_fields(fields)))

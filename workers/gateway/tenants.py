@@ -89,6 +89,8 @@ def charge(job: dict[str, Any], prompt_limit: int = 0) -> int:
     per sample). `max_tokens: null` generates until the context is full: charged up to
     `prompt_limit` (the longest prompt the workers take), or the default when that is not known."""
     prompt = _prompt_tokens(job)
+    if job.get("task", "generate") != "generate":  # tokenize, detokenize, embed: the prompt alone
+        return prompt
     params = job.get("params") or {}
     samples = _samples(params)
     out = params.get("max_tokens", DEFAULT_MAX_TOKENS)

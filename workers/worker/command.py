@@ -69,6 +69,8 @@ _HELP = {
     "max_loras": "LoRA adapters held on the device at once, least recently used evicted (0: serve none; "
                  "docs/lora.md)",
     "max_lora_rank": "the largest LoRA adapter rank served (a higher one is refused as invalid_request)",
+    "pooling": "embeddings of requests that name no pooling: last or mean (default: the checkpoint's "
+               "sentence-transformers config, else last; docs/openai.md#embeddings)",
 }
 
 

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 from streamer import RequestOutput, SamplingParams
 from streamer.lora import LoRARequest
 from streamer.outputs import PromptProgress, StepRecord
+from streamer.pooling import PoolingParams
 from streamer.prompts import TokenizedPrompt
 
 
@@ -20,6 +21,12 @@ class Engine(Protocol):
         (an adapter that cannot be served included). Closing the generator early aborts the request.
         Calls of one `session` (a conversation, an agent) queue behind sessions that have had less
         service so far. `lora_request`: the adapter it runs under (None: the base model)."""
+        ...
+
+    async def embed(self, prompt: Any, params: PoolingParams, request_id: str, priority: int = 0,
+                    session: str | None = None) -> RequestOutput:
+        """The embedding of a prompt, computed in the engine's batch (its `embedding`; `error` set when the
+        engine could not run it; neither when aborted). ValueError / QueueFullError when refused."""
         ...
 
     def abort(self, request_id: str) -> None: ...

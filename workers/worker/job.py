@@ -30,7 +30,7 @@ from workers.worker.config import WorkerConfig
 from workers.worker.engine import Engine
 from workers.worker.metrics import WorkerMetrics
 from workers.worker.state import Delivery, RunningJob, WorkerState
-from workers.worker.tasks import answer_task
+from workers.worker.tasks import answer_embed, answer_task
 from workers.worker.tool_calls import ToolCalls, family, sampling_params
 
 log = logging.getLogger("streamer.worker")
@@ -103,6 +103,9 @@ class JobRunner:
             return run
         if d.suspect:
             log.warning("request %s: its worker died while it entered the engine; running it alone", job.id)
+        if job.task == "embed":
+            await self._embed(run, d)
+            return run
         if job.task != "generate":
             await answer_task(self.engine, self.answers, run)
             return run
@@ -148,6 +151,24 @@ class JobRunner:
                 await self._relay(run, params, d.state, stream, first, tools)
             finally:
                 await stream.aclose()  # aborts the request in the engine unless it finished
+
+    async def _embed(self, run: RunningJob, d: Delivery) -> None:
+        """An embed job enters the engine as generation does (its turn, its attempt recorded, cancellable
+        while it runs) and is answered by tasks.py."""
+        if d.cancelled or self.state.take_cancel(run.job.id):
+            self.answers.emit(run, [done_event(run.job.id, run.next_seq, ["abort"], _usage(0, 0, 0))])
+            return
+        self.state.running[run.job.id] = run
+        with run.scope:
+            await self.state.enter_engine(d.suspect)
+            try:
+                await self.attempts.record_start(run.job.id, run.epoch, run.next_seq, alone=d.suspect)
+                run.trace.prefill()
+                await answer_embed(self.engine, self.answers, run)
+            finally:
+                d.admitted = True
+                self.state.admitted()
+                self.state.proven(d.suspect)
 
     async def _prompt(self, run: RunningJob) -> Any:
         """The job's prompt as the engine takes it; None when the job was answered with an error."""

@@ -1,12 +1,18 @@
 """Jobs that ask for something other than generated text: a prompt's tokens counted (`tokenize`) or
-token ids turned back into text (`detokenize`), with vLLM's /tokenize and /detokenize answers. They
-never enter the engine's batch: the tokenizer answers them, off the event loop."""
+token ids turned back into text (`detokenize`), with vLLM's /tokenize and /detokenize answers, which
+never enter the engine's batch (the tokenizer answers them, off the event loop); and a prompt's
+embedding (`embed`), computed in the engine's batch beside generation (streamer/pooling.py). Each is
+answered with one `done` event holding its `result`."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from clients.events import result_event
+import anyio
+
+from clients.events import done_event, result_event
+from streamer.errors import QueueFullError
+from streamer.pooling import PoolingParams
 from workers.worker.answers import Answers
 from workers.worker.engine import Engine
 from workers.worker.state import RunningJob
@@ -21,6 +27,34 @@ async def answer_task(engine: Engine, answers: Answers, run: RunningJob) -> None
         await answers.fail(run, "invalid_request", str(e))
         return
     answers.emit(run, [result_event(job.id, run.next_seq, result)])
+
+
+async def answer_embed(engine: Engine, answers: Answers, run: RunningJob) -> None:
+    """Answer an embed job: its vector and prompt tokens, an error the request caused (too long, a
+    `dimensions` the model cannot give), or `abort` when cancelled while in the engine."""
+    job, options = run.job, run.job.options
+    prompt = {"prompt_token_ids": job.prompt_token_ids} if job.prompt_token_ids is not None else job.prompt
+    params = PoolingParams(options.get("pooling"), options.get("normalize", True), options.get("dimensions"))
+    backoff_s = 0.05
+    while True:
+        try:
+            out = await engine.embed(prompt, params, job.id, job.priority, job.session or None)
+            break
+        except QueueFullError:  # admission raced with other load: the job waits, still ours
+            await anyio.sleep(backoff_s)
+            backoff_s = min(1.0, backoff_s * 2)
+        except ValueError as e:  # empty, too long for the model, ids outside the vocabulary, dimensions
+            await answers.fail(run, "invalid_request", str(e))
+            return
+    if out.error is not None:
+        await answers.fail(run, out.error_code or "internal", f"the engine could not run this request: {out.error}")
+    elif out.embedding is None:  # aborted (cancelled)
+        usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        answers.emit(run, [done_event(job.id, run.next_seq, ["abort"], usage)])
+    else:
+        run.tokens = len(out.prompt_token_ids)
+        result = {"embedding": out.embedding, "prompt_tokens": run.tokens}
+        answers.emit(run, [result_event(job.id, run.next_seq, result, run.tokens)])
 
 
 async def _tokenize(engine: Engine, run: RunningJob) -> dict[str, Any]:

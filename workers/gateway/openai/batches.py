@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from clients.names import BATCH_PRIORITY
 from workers.gateway.openai.batch_store import TERMINAL, WINDOW_S, BatchStore
+from workers.gateway.openai.embeddings import parse_embeddings
 from workers.gateway.openai.files import FileRoutes, not_found
 from workers.gateway.openai.job_builder import build_jobs
 from workers.gateway.openai.jobs import GatewayServices
@@ -28,7 +29,8 @@ from workers.gateway.openai.request import OpenAIError, bad, parse_chat, parse_c
 from workers.gateway.openai.response import StreamMeta
 from workers.gateway.routes import request_token
 
-ENDPOINTS = {"/v1/chat/completions": ("chat", parse_chat), "/v1/completions": ("completion", parse_completion)}
+ENDPOINTS = {"/v1/chat/completions": ("chat", parse_chat), "/v1/completions": ("completion", parse_completion),
+             "/v1/embeddings": ("embedding", parse_embeddings)}
 MAX_LINES = 50_000  # OpenAI's bound on one batch
 MAX_ERRORS = 100  # line errors reported for a batch that fails validation
 
@@ -141,7 +143,7 @@ class BatchRoutes:
                 continue
             seen.add(item["custom_id"])
             meta = StreamMeta(request_id, kind, req.model, now, req.n, [j["id"] for j in jobs], False,
-                              req.top_logprobs)
+                              req.top_logprobs, req.encoding_format)
             lines.append({"custom_id": item["custom_id"], "jobs": jobs, "meta": json.loads(meta.dumps())})
         return lines, errors
 

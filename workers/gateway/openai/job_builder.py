@@ -27,6 +27,9 @@ def build_jobs(gw: GatewayServices, req: OpenAIRequest, request_id: str, tenant:
     checked as every pushed job is. `priority` overrides the request's own (the batch lane's)."""
     many = len(req.prompts) > 1
     jobs = []
+    limit = gw.prompt_limit()
+    if req.kind == "embedding" and not gw.config.max_prompt_tokens:
+        limit = gw.workers_max_model_len  # nothing is generated after an embedding's prompt: it may fill the model
     for p, prompt in enumerate(req.prompts):
         own = f"{request_id}.{p}" if many else request_id
         job = {"v": VERSION, "id": job_id(tenant, own), **prompt, "params": req.params}
@@ -38,7 +41,7 @@ def build_jobs(gw: GatewayServices, req: OpenAIRequest, request_id: str, tenant:
             job["lora"] = lora
         tag(job, tenant, session)
         try:
-            check_job(job, gw.limits, gw.prompt_limit(), gw.workers_max_model_len)
+            check_job(job, gw.limits, limit, gw.workers_max_model_len)
         except ProtocolError as e:
             raise from_protocol(e) from e
         jobs.append(job)

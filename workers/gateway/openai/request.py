@@ -57,6 +57,7 @@ class OpenAIRequest:
     params: dict[str, Any] = field(default_factory=dict)
     priority: int | None = None
     user: str | None = None  # OpenAI's end-user id: the jobs' `session` unless X-Session-Id says otherwise
+    encoding_format: str | None = None  # embeddings: "float" or "base64" (openai/embeddings.py)
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:

@@ -26,6 +26,7 @@ class StreamMeta:
     jobs: list[str]
     include_usage: bool = False
     top_logprobs: int | None = None
+    encoding_format: str | None = None  # embeddings (kind "embedding"): "float" or "base64"
 
     def dumps(self) -> str:
         return json.dumps(asdict(self))
