@@ -400,3 +400,46 @@ async def test_tool_calls_are_read_from_the_stream_and_end_with_tool_calls(redis
     assert calls and calls[0]["function"]["name"] == "get_weather"
     assert json.loads("".join(c["function"].get("arguments") or "" for c in calls)) == {"city": "Oslo"}
     assert check_complete(events)["finish_reasons"] == ["tool_calls"]
+
+
+@pytest.mark.anyio
+async def test_a_finished_output_without_samples_ends_each_sample_aborted(redis_url: str) -> None:
+    engine = ScriptedEngine({"p": [[output(finished=True)]]})
+    [events] = await served(engine, redis_url, {"prompt": "p", "id": "empty"})
+    end = check_complete(events)
+    assert (end["type"], end["id"], end["finish_reasons"]) == ("done", "empty", ["abort"])
+    assert end["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "cached_tokens": 0}
+
+
+@pytest.mark.anyio
+async def test_a_tenants_service_is_what_its_jobs_really_cost(redis_url: str) -> None:
+    """Charged a flat amount when taken (streams.py), corrected at the end to its prompt and output
+    tokens: the fair share holds in tokens (accounting.py)."""
+    r = redis.Redis.from_url(redis_url)
+    engine = ScriptedEngine({"p": [answer("ab", (1, 2))]})
+    service = lambda: float(r.hget(NAMES.service, "acme") or 0)  # noqa: E731
+    async with scripted_worker(engine, redis_url), AsyncClient(redis_url) as client:
+        await client.submit("p", id="t", tenant="acme", params=GREEDY)
+        await wait_for(lambda: has_ended(redis_url, "t"), timeout=10)
+        with anyio.move_on_after(5):
+            while service() != 5:
+                await anyio.sleep(0.05)
+    assert service() == 5  # 3 prompt tokens + 2 generated
+    r.close()
+
+
+@pytest.mark.anyio
+async def test_a_jobs_entry_stays_pending_until_its_last_event_is_written(redis_url: str) -> None:
+    """Acked only at the end: a worker that dies mid-job leaves it for another to resume."""
+    r = redis.Redis.from_url(redis_url)
+    engine = ScriptedEngine({"p": [[output(sample(0, "a", [1])), 30.0, *answer()]]})
+    async with scripted_worker(engine, redis_url), AsyncClient(redis_url) as client:
+        await client.submit("p", id="long", params=GREEDY)
+        await wait_for(lambda: len(read_events(redis_url, "long")) == 1, timeout=10)
+        await anyio.sleep(0.3)  # its first event's write has long been confirmed
+        assert r.xpending(NAMES.requests, NAMES.group)["pending"] == 1
+        await client.cancel("long")
+        await wait_for(lambda: has_ended(redis_url, "long"), timeout=10)
+    assert check_complete(read_events(redis_url, "long"))["finish_reasons"] == ["abort"]
+    assert r.xpending(NAMES.requests, NAMES.group)["pending"] == 0
+    r.close()
