@@ -53,8 +53,8 @@ async def test_a_full_queue_delays_the_job_and_the_engine_takes_it_later(redis_u
     engine = ScriptedEngine({"p": [[QueueFullError("full")], [QueueFullError("full")], answer("ab", (1, 2))]})
     start = time.monotonic()
     [events] = await served(engine, redis_url, {"prompt": "p", "id": "waits"})
-    assert [(e["type"], e["token_ids"], e["text"]) for e in events] == [
-        ("token", [1], "a"), ("token", [2], "b"), ("done", [], "")]
+    assert [(e["id"], e["type"], e["token_ids"], e["text"]) for e in events] == [
+        ("waits", "token", [1], "a"), ("waits", "token", [2], "b"), ("waits", "done", [], "")]
     assert len(engine.calls) == 3 and engine.aborted == []  # refused twice, never dropped
     assert time.monotonic() - start < 5  # backs off from 50 ms, not seconds
     assert dead_letters(redis_url) == []
@@ -318,6 +318,12 @@ async def test_a_job_that_does_not_validate_is_answered_with_its_code(redis_url:
     r.close()
 
 
+CHAT = [{"role": "user", "content": "hi"}]
+# Two samples, two tokens each: "ab" and "xy".
+TWO_SAMPLES: list[Any] = [output(sample(0, "a", [1]), sample(1, "x", [4])),
+                          output(sample(0, "b", [2], "length"), sample(1, "y", [5], "length"), finished=True)]
+
+
 def samples(worker: Worker, name: str, **labels: str) -> float:
     """The sum of a worker metric's samples of that name (and those labels), as /metrics shows them."""
     return sum(s.value for metric in worker.metrics.registry.collect() for s in metric.samples
@@ -338,26 +344,22 @@ async def test_the_workers_metrics_count_each_job_once_and_a_resumed_one_without
         redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url)
     left_by_a_dead_worker(r, "resumed", [1], "a", prompt="r")
-    engine = ScriptedEngine({"r": [answer("bc", (2, 3))], "p": [answer("abc", (1, 2, 3))],
-                             "bad": [[output(error="step failed")]]})
+    engine = ScriptedEngine({"r": [answer("bc", (2, 3))], "p": [TWO_SAMPLES], "bad": [[output(error="step failed")]]})
     async with scripted_worker(engine, redis_url, claim_idle_s=0.3) as worker, AsyncClient(redis_url) as client:
         await wait_for(lambda: has_ended(redis_url, "resumed"), timeout=10)
         resumed = {k: samples(worker, k) for k in ("vllm:time_to_first_token_seconds_count",
                                                    "vllm:generation_tokens_total")}
-        await client.submit("p", id="fresh", params=GREEDY)
+        await client.submit("p", id="fresh", params=TWO)
         await client.submit("bad", id="bad", params=TWO)
         await wait_for(lambda: has_ended(redis_url, "fresh") and has_ended(redis_url, "bad"), timeout=10)
         assert engine.calls[0].resume_token_ids == [[1]]
         # Its first token was counted by the worker that wrote it: only the rest here, and no TTFT.
         assert resumed == {"vllm:time_to_first_token_seconds_count": 0, "vllm:generation_tokens_total": 2}
         assert samples(worker, "vllm:time_to_first_token_seconds_count") == 1  # the fresh one's
-        assert samples(worker, "vllm:generation_tokens_total") == 2 + 3
+        assert samples(worker, "vllm:generation_tokens_total") == 2 + 4
         assert samples(worker, "vllm:request_success_total", finished_reason="error") == 2  # one per sample
-        assert samples(worker, "vllm:request_success_total", finished_reason="length") == 2
+        assert samples(worker, "vllm:request_success_total", finished_reason="length") == 1 + 2
     r.close()
-
-
-CHAT = [{"role": "user", "content": "hi"}]
 
 
 @pytest.mark.anyio
@@ -366,15 +368,15 @@ async def test_a_chat_answer_is_advertised_as_the_next_turns_prefix_unless_resum
     sends it is advertised for routing (accounting.py). A resumed job's text here is only part of it."""
     r = redis.Redis.from_url(redis_url)
     left_by_a_dead_worker(r, "resumed", [1], "a", messages=CHAT, session="s-2")
-    engine = ScriptedEngine({"ids:5,6,7": [answer("abc", (1, 2, 3))]}, render=lambda m: TokenizedPrompt([5, 6, 7]))
+    engine = ScriptedEngine({"ids:5,6,7": [TWO_SAMPLES]}, render=lambda m: TokenizedPrompt([5, 6, 7]))
     async with scripted_worker(engine, redis_url, claim_idle_s=0.3, consumer="me"), \
             AsyncClient(redis_url) as client:
         await wait_for(lambda: has_ended(redis_url, "resumed"), timeout=10)
-        await client.submit(messages=CHAT, id="fresh", params=GREEDY, session="s-1")
+        await client.submit(messages=CHAT, id="fresh", params=TWO, session="s-1")
         await wait_for(lambda: has_ended(redis_url, "fresh"), timeout=10)
-        answered = {s.digest for s in answer_chain({"messages": CHAT}, "abc")}
+        answered = {s.digest for s in answer_chain({"messages": CHAT}, "ab")}  # the first sample's
         asked = {s.digest for s in prefix_chain({"messages": CHAT})}
-        # Exactly these: the resumed job's chain extended by its part here ("bc") is not among them.
+        # Exactly these: the resumed job's chain extended by its part here is not among them.
         await wait_for(lambda: {d.decode() for d in r.smembers(NAMES.worker_prefixes("me"))} == answered | asked,
                        timeout=10)
     r.close()
