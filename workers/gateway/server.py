@@ -128,6 +128,7 @@ class Gateway:
         # frames say how many workers are alive) are learned from the heartbeats.
         self._watch_workers = asyncio.create_task(self._workers_loop())
         self.hub.spawn(self.batch_runner.run(), "batch runner")  # ends with the hub (close)
+        self.hub.spawn(self.openai.responses.sweeper.run(), "responses sweeper")  # stores finished responses
         log.info("gateway on %s (WebSocket %s), Redis prefix %r", self.url, self.ws_url, self.config.prefix)
 
     async def close(self) -> None:

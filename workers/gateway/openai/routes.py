@@ -34,6 +34,7 @@ from workers.gateway.openai.jobs import GatewayServices, JobStream
 from workers.gateway.openai.lora_models import adapter_models, split_model
 from workers.gateway.openai.request import OpenAIError, OpenAIRequest, bad, parse_chat, parse_completion
 from workers.gateway.openai.response import Assembler, StreamMeta
+from workers.gateway.openai.responses import ResponseRoutes
 from workers.gateway.openai.stream import Position, sse_events, wants_resumable
 from workers.gateway.openai.tokenize import TokenizeRoutes
 from workers.gateway.resume import begin_resume
@@ -71,6 +72,7 @@ class OpenAIRoutes:
         self.files = FileRoutes(gateway, RedisFileStore(gateway.hub.redis, gateway.hub.names))
         self.batches = BatchRoutes(gateway, self.files, self._check_model)
         self.tokens = TokenizeRoutes(gateway, self._check_model, self._json_body)  # /tokenize, /detokenize
+        self.responses = ResponseRoutes(gateway, self, _first_of, rate_limit_error)  # /v1/responses
 
     def routes(self) -> list[Route]:
         return [Route("/v1/models", self._guard(self.models), methods=["GET"]),
@@ -78,7 +80,7 @@ class OpenAIRoutes:
                 Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
                 Route("/v1/streams/{request_id:path}", self._guard(self.resume), methods=["GET"]),
                 *self.files.routes(self._guard), *self.batches.routes(self._guard),
-                *self.tokens.routes(self._guard)]
+                *self.tokens.routes(self._guard), *self.responses.routes(self._guard)]
 
     def _guard(self, handler: Any) -> Any:
         """API key first; every failure answered in OpenAI's error shape."""
