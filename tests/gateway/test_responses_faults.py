@@ -53,6 +53,7 @@ async def test_a_background_response_resumes_after_worker_gateway_and_redis_rest
         proc = worker_process(llama_ckpt, url, "--claim-idle", "5", log_path=tmp_path / "worker.log")
         try:
             async with running_gateway(config(url)) as other, sdk(other) as other_client:
+                await until(lambda: _worker_up(other_client), timeout=120)  # its start is not the answer's time
                 async with running_gateway(config(url)) as gw, sdk(gw) as client:
                     first = await read(await client.responses.create(model=model, **REQUEST), until_seq=8)
                     proc.kill()  # SIGKILL, mid-answer
@@ -76,6 +77,10 @@ async def test_a_background_response_resumes_after_worker_gateway_and_redis_rest
     assert shape(events) == shape(reference)
     assert end.status == "incomplete" and end.usage is not None and end.usage.output_tokens == TOKENS
     assert end.output_text == reference[-1].response.output_text
+
+
+async def _worker_up(client: openai.AsyncOpenAI) -> bool:
+    return bool((await client.models.list()).data)
 
 
 async def _retrieve_stream(client: openai.AsyncOpenAI, response_id: str, after: int) -> Any:
