@@ -26,9 +26,9 @@ Step = RequestOutput | BaseException | float
 
 
 def output(*samples: CompletionOutput, finished: bool = False, cached: int = 0, error: str | None = None,
-           error_code: str | None = None, request_id: str = "") -> RequestOutput:
+           error_code: str | None = None, request_id: str = "", embedding: list[float] | None = None) -> RequestOutput:
     return RequestOutput(request_id, list(PROMPT_IDS), list(samples), finished, num_cached_tokens=cached,
-                         error=error, error_code=error_code)
+                         error=error, error_code=error_code, embedding=embedding)
 
 
 def sample(index: int, text: str, token_ids: list[int], finish_reason: str | None = None,
@@ -98,6 +98,16 @@ class ScriptedEngine:
                 yield step
         finally:
             self.closed.append(request_id)
+
+    async def embed(self, prompt: Any, params: Any, request_id: str, priority: int = 0,
+                    session: str | None = None) -> RequestOutput:
+        """The script's first output (an embed job has one); an abort during a pause returns one without
+        an embedding, as the engine does."""
+        stream = self.generate(prompt, params, request_id, priority, session=session)
+        try:
+            return await anext(stream)
+        finally:
+            await stream.aclose()
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

@@ -445,3 +445,30 @@ async def test_a_jobs_entry_stays_pending_until_its_last_event_is_written(redis_
     assert check_complete(read_events(redis_url, "long"))["finish_reasons"] == ["abort"]
     assert r.xpending(NAMES.requests, NAMES.group)["pending"] == 0
     r.close()
+
+
+@pytest.mark.anyio
+async def test_an_embed_job_enters_the_engine_on_record_and_can_be_cancelled_there(redis_url: str) -> None:
+    """Like generation: its attempt recorded before the engine (attempts.py), cancellable while the
+    engine has it, and a cancel read with it answers it without the engine."""
+    r = redis.Redis.from_url(redis_url)
+    engine = ScriptedEngine({"v": [[output(finished=True, embedding=[0.5, -0.5])]], "slow": [[30.0]]})
+    async with AsyncClient(redis_url) as client:
+        entry = r.xadd(NAMES.requests, encode_job({"id": "early", "task": "embed", "prompt": "v"}))
+        r.set(NAMES.job("early"), entry)  # its id claimed, as a submit does: it can be cancelled
+        await client.cancel("early")
+        async with scripted_worker(engine, redis_url):
+            for rid, prompt in (("vec", "v"), ("stuck", "slow")):
+                r.xadd(NAMES.requests, encode_job({"id": rid, "task": "embed", "prompt": prompt}))
+            await wait_for(lambda: has_ended(redis_url, "vec") and [c for c in engine.calls if c.prompt == "slow"],
+                           timeout=10)
+            await client.cancel("stuck")
+            await wait_for(lambda: has_ended(redis_url, "stuck") and has_ended(redis_url, "early"), timeout=10)
+    vec = check_complete(read_events(redis_url, "vec"))
+    assert (vec["type"], vec["result"]["embedding"], vec["usage"]["prompt_tokens"]) == ("done", [0.5, -0.5], 3)
+    assert r.hget(NAMES.fence("vec"), "started") == r.hget(NAMES.fence("vec"), "epoch") == b"1"
+    for rid in ("stuck", "early"):
+        end = check_complete(read_events(redis_url, rid))
+        assert (end["type"], end["finish_reasons"]) == ("done", ["abort"]), rid
+    assert engine.aborted == ["stuck"] and sorted(c.request_id for c in engine.calls) == ["stuck", "vec"]
+    r.close()
