@@ -13,7 +13,8 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-from redis_worker_helpers import long_context_checkpoint, running_worker
+import redis.asyncio as aioredis
+from redis_worker_helpers import NAMES, long_context_checkpoint, running_worker
 from test_batches import until
 from test_gateway import config
 from test_openai_api import sdk
@@ -218,6 +219,20 @@ async def test_bad_requests_and_other_tenants(redis_url: str) -> None:
             await beta.responses.create(model="m", input="x", previous_response_id=queued.id)
         with pytest.raises(openai.BadRequestError):  # not finished: no follow-up yet
             await acme.responses.create(model="m", input="x", previous_response_id=queued.id)
+        # Its job's keys gone (expired, or lost with Redis) before it ran: the response ends failed, and
+        # the gateway's sweeper stores that by itself.
+        r = aioredis.Redis.from_url(redis_url)
+        try:
+            await r.delete(NAMES.job(f"acme/{queued.id}"))
+            await until(lambda: _has_final(r, queued.id), timeout=10)
+        finally:
+            await r.aclose()
+        failed = await acme.responses.retrieve(queued.id)
+        assert failed.status == "failed" and failed.error is not None and failed.error.code == "expired"
+
+
+async def _has_final(r: aioredis.Redis, response_id: str) -> bool:
+    return bool(await r.hexists(f"{NAMES.prefix}:response:{response_id}", "final"))
 
 
 @pytest.mark.anyio
