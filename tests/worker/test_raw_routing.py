@@ -3,7 +3,8 @@ workers/worker/affinity.py), each script on its own against a real redis-server:
 priority belongs in a lane is moved there before the take reads (and only one no worker has read);
 a session's job taken by another worker is forwarded to the worker holding the session when that one
 is live, not draining and has room, exactly once, else recorded as the taker's session at once; a
-moved entry keeps the request id its submitter claimed. The workers themselves: test_any_submitter.py."""
+moved entry keeps the request id its submitter claimed; routers skip a draining worker too; the worker's
+--priority-lanes. The workers themselves: test_any_submitter.py."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from clients.errors import ProtocolError
 from clients.heartbeats import STALE_MS
 from clients.names import BATCH_PRIORITY, Names
 from clients.protocol import decode_job, encode_job
+from clients.routing import Router
 from workers.worker import intake
 from workers.worker.affinity import SESSION_TTL_MS, Affinity
 from workers.worker.lanes import MOVED_FROM, moved_from
@@ -209,3 +211,34 @@ async def test_on_a_cluster_moves_and_forwards_stay_in_one_slot(one_node_cluster
         assert await rc.xrange(names.lane(-1), d.entry_id, d.entry_id) == []
     finally:
         await rc.aclose()
+
+
+@pytest.mark.anyio
+async def test_routers_send_nothing_to_a_draining_worker(r: aioredis.Redis) -> None:
+    """The holder of s1 is draining (SIGTERM: it reads no more jobs): a router leaves it out, as the
+    workers' forward does, and the session's job waits in the shared lane for the others."""
+    await holder(r, draining=True)
+    seconds, _ = await r.time()
+    for name in ("w-x", "w-y"):
+        await r.zadd(NAMES.heartbeats, {name: int(seconds) * 1000})
+        await r.hset(NAMES.worker(name), mapping={"max_num_seqs": 2, "draining": 0})
+    route = await Router(r, NAMES, refresh_s=0.0).route({"id": "j1", "prompt": "x", "session": "s1"})
+    assert (route.worker, route.outcome, route.stream) == (None, "miss", NAMES.requests)
+    await r.hset(NAMES.worker(HOLDER), "draining", 0)  # back to work: its sessions are routed to it again
+    route = await Router(r, NAMES, refresh_s=0.0).route({"id": "j2", "prompt": "x", "session": "s1"})
+    assert (route.worker, route.outcome) == (HOLDER, "session")
+
+
+def test_worker_lanes_come_from_the_flag_and_refuse_sharded_streams() -> None:
+    from workers.cli.main import command_parser
+    from workers.errors import UserError
+    from workers.worker.command import worker_config
+
+    parser = command_parser("worker")
+    args = parser.parse_args(["--model", "m", "--priority-lanes=-1,-10"])
+    args.cluster = False
+    assert worker_config(args).names.lanes == (-10, -1)
+    args = parser.parse_args(["--model", "m", "--priority-lanes=-1", "--request-shards", "2"])
+    args.cluster = False
+    with pytest.raises(UserError, match="--priority-lanes or --request-shards"):
+        worker_config(args)
