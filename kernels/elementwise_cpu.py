@@ -42,3 +42,10 @@ def argmax_cpu(logits: torch.Tensor) -> torch.Tensor:
 def nucleus_threshold_cpu(weights: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
     """As `nucleus_threshold_ref` (kernels/nucleus.py), for float32 rows on the CPU (csrc/nucleus_cpu.cpp)."""
     return module().nucleus_threshold_rows(weights, limit)
+
+
+def nucleus_weights_cpu(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                        min_p: torch.Tensor) -> torch.Tensor:
+    """As `nucleus_weights_ref` (kernels/nucleus.py), for float32 rows on the CPU (csrc/nucleus_cpu.cpp):
+    one pass weighs and histograms each row, where the reference takes eight over the whole batch."""
+    return module().nucleus_weights_rows(logits, temperature, top_p, min_p)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 from streamer_kernels.cpu_extension import load as cpu_kernels
-from streamer_kernels.elementwise_cpu import nucleus_threshold_cpu
-from streamer_kernels.nucleus import nucleus_threshold_ref
+from streamer_kernels.elementwise_cpu import nucleus_weights_cpu
+from streamer_kernels.nucleus import nucleus_weights_ref
 
 NUCLEUS_CANDIDATES = 256
 
@@ -132,23 +132,13 @@ def _truncated(logits: torch.Tensor, rules: Rules, rows: torch.Tensor, width: in
 
 def _whole_row_nucleus(logits: torch.Tensor, rules: Rules, rows: torch.Tensor) -> Candidates:
     """Every token of each row, in vocabulary order, weighted where min-p and top-p keep it. The
-    top-p cut is found without sorting the row (`nucleus_threshold`): a token is kept when the
-    weight of the tokens strictly above it is below top_p of the total (ties kept or dropped together)."""
-    top = logits.max(dim=-1, keepdim=True).values
-    weights = torch.sub(logits, top).div_(rules.temperature[:, None]).exp_()
-    if bool((rules.min_p > 0).any()):
-        weights *= weights >= rules.min_p[:, None]
-    limit = rules.top_p * weights.sum(dim=-1)
-    return Candidates(rows, None, weights.mul_(weights >= nucleus_threshold(weights, limit)[:, None]))
-
-
-def nucleus_threshold(weights: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
-    """Per row, the smallest weight whose strictly heavier tokens weigh less than `limit`
-    (kernels/nucleus.py). On the CPU the compiled kernel: a sort of 16 rows of 32k, the reference's
-    way, took ~70 ms on one core, most of a sampled step's budget."""
-    if weights.device.type == "cpu" and weights.dtype == torch.float32 and weights.is_contiguous() and cpu_kernels():
-        return nucleus_threshold_cpu(weights, limit)
-    return nucleus_threshold_ref(weights, limit)
+    top-p cut is found without sorting the row (kernels/nucleus.py): a token is kept when the
+    weight of the tokens strictly above it is below top_p of the total (ties kept or dropped together).
+    On the CPU one compiled pass per row: the same steps as torch ops took eight passes over the
+    batch, most of a flat-distribution top-p step's cost."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous() and cpu_kernels():
+        return Candidates(rows, None, nucleus_weights_cpu(logits, rules.temperature, rules.top_p, rules.min_p))
+    return Candidates(rows, None, nucleus_weights_ref(logits, rules.temperature, rules.top_p, rules.min_p))
 
 
 def _mass(logits: torch.Tensor, rules: Rules) -> torch.Tensor:

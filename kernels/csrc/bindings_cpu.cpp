@@ -21,4 +21,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "weight-only int8 linear layer (CPU, AVX-512 VNNI)", py::arg("x"),
         py::arg("packed"), py::arg("scale"), py::arg("bias"), py::arg("out_features"));
   m.def("nucleus_threshold_rows", &nucleus_threshold_rows, "top-p's cut of each whole row, unsorted (CPU)");
+  m.def("nucleus_weights_rows", &nucleus_weights_rows, "whole sampling rows: temperature, min-p, top-p (CPU)");
 }

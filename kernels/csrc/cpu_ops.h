@@ -44,6 +44,9 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
 torch::Tensor argmax_rows(torch::Tensor logits);
 // kernels/nucleus.py: nucleus_threshold_ref (float32 weights, contiguous rows)
 torch::Tensor nucleus_threshold_rows(torch::Tensor weights, torch::Tensor limit);
+// kernels/nucleus.py: nucleus_weights_ref (float32 logits, contiguous rows; rules [rows] each)
+torch::Tensor nucleus_weights_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_p,
+                                   torch::Tensor min_p);
 // kernels/int8_gemm.py: int8_linear_ref, x rounded to int16 per row (int8_linear_kernel_arith_ref);
 // `packed` in pack_int8_weight's layout, `scale` float32 [out_features]
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, std::optional<torch::Tensor> bias,
