@@ -367,7 +367,8 @@ async def test_a_chat_answer_is_advertised_as_the_next_turns_prefix_unless_resum
     """The worker's cache holds the answer's KV too: its chain extended by the answer as the next turn
     sends it is advertised for routing (accounting.py). A resumed job's text here is only part of it."""
     r = redis.Redis.from_url(redis_url)
-    left_by_a_dead_worker(r, "resumed", [1], "a", messages=CHAT, session="s-2")
+    earlier = [{"role": "user", "content": "an earlier question"}]
+    left_by_a_dead_worker(r, "resumed", [1], "a", messages=earlier, session="s-2")
     engine = ScriptedEngine({"ids:5,6,7": [TWO_SAMPLES]}, render=lambda m: TokenizedPrompt([5, 6, 7]))
     async with scripted_worker(engine, redis_url, claim_idle_s=0.3, consumer="me"), \
             AsyncClient(redis_url) as client:
@@ -375,7 +376,7 @@ async def test_a_chat_answer_is_advertised_as_the_next_turns_prefix_unless_resum
         await client.submit(messages=CHAT, id="fresh", params=TWO, session="s-1")
         await wait_for(lambda: has_ended(redis_url, "fresh"), timeout=10)
         answered = {s.digest for s in answer_chain({"messages": CHAT}, "ab")}  # the first sample's
-        asked = {s.digest for s in prefix_chain({"messages": CHAT})}
+        asked = {s.digest for m in (CHAT, earlier) for s in prefix_chain({"messages": m})}
         # Exactly these: the resumed job's chain extended by its part here is not among them.
         await wait_for(lambda: {d.decode() for d in r.smembers(NAMES.worker_prefixes("me"))} == answered | asked,
                        timeout=10)
