@@ -473,3 +473,30 @@ async def test_an_embed_job_enters_the_engine_on_record_and_can_be_cancelled_the
         assert (end["type"], end["finish_reasons"]) == ("done", ["abort"]), rid
     assert engine.aborted == ["stuck"] and sorted(c.request_id for c in engine.calls) == ["stuck", "vec"]
     r.close()
+
+
+@pytest.mark.anyio
+async def test_text_a_tool_parser_held_back_goes_out_at_the_end_and_nothing_empty_does(redis_url: str) -> None:
+    """"<tool" may begin a call: the parser holds it until the sample ends, then sends it as text, in an
+    event of its own when the last output brings no token. An output that adds nothing sends nothing."""
+    engine = ScriptedEngine({"ids:5,6,7": [[output(sample(0, "Hi <tool", [1])), output(sample(0, "", [], "stop"),
+                                                                                       finished=True)]]},
+                            render=lambda m: TokenizedPrompt([5, 6, 7]))
+    async with scripted_worker(engine, redis_url, tool_call_parser="hermes"), AsyncClient(redis_url) as client:
+        await client.submit(messages=CHAT, tools=WEATHER_TOOL, id="held", params=GREEDY)
+        await wait_for(lambda: has_ended(redis_url, "held"), timeout=10)
+    events = read_events(redis_url, "held")
+    assert [(e["type"], e["token_ids"], e["text"]) for e in events] == [
+        ("token", [1], "Hi "), ("token", [], "<tool"), ("done", [], "")]
+    assert check_complete(events)["finish_reasons"] == ["stop"]
+
+
+@pytest.mark.anyio
+async def test_an_output_that_adds_nothing_to_a_tool_job_sends_nothing(redis_url: str) -> None:
+    engine = ScriptedEngine({"ids:5,6,7": [[output(sample(0, "Hi", [1])), output(sample(0, "", [])),
+                                            output(sample(0, "", [], "stop"), finished=True)]]},
+                            render=lambda m: TokenizedPrompt([5, 6, 7]))
+    async with scripted_worker(engine, redis_url, tool_call_parser="hermes"), AsyncClient(redis_url) as client:
+        await client.submit(messages=CHAT, tools=WEATHER_TOOL, id="quiet", params=GREEDY)
+        await wait_for(lambda: has_ended(redis_url, "quiet"), timeout=10)
+    assert [(e["type"], e["text"]) for e in read_events(redis_url, "quiet")] == [("token", "Hi"), ("done", "")]
