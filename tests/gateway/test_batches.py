@@ -148,7 +148,7 @@ async def test_invalid_lines_fail_the_batch_and_cancel_ends_it(llama_ckpt: Path,
         assert failed.errors is not None
         assert [(e.line, e.param) for e in failed.errors.data] == [(2, "temperature"), (3, "custom_id"), (4, None)]
         with pytest.raises(openai.BadRequestError):
-            await client.batches.create(input_file_id=up.id, endpoint="/v1/embeddings", completion_window="24h")
+            await client.batches.create(input_file_id=up.id, endpoint="/v1/moderations", completion_window="24h")
         with pytest.raises(openai.NotFoundError):
             await client.batches.retrieve("batch_nope")
 
