@@ -27,6 +27,7 @@ from clients.loras import list_all as list_loras
 from clients.loras import lookup as lookup_lora
 from clients.protocol import ID_RE, MAX_SESSION_CHARS, TRACEPARENT_RE
 from workers.gateway.openai.batches import BatchRoutes
+from workers.gateway.openai.embeddings import assembler_for, parse_embeddings
 from workers.gateway.openai.file_store import RedisFileStore
 from workers.gateway.openai.files import FileRoutes
 from workers.gateway.openai.job_builder import build_jobs, from_protocol
@@ -78,6 +79,7 @@ class OpenAIRoutes:
         return [Route("/v1/models", self._guard(self.models), methods=["GET"]),
                 Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
                 Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
+                Route("/v1/embeddings", self._guard(self.embeddings), methods=["POST"]),
                 Route("/v1/streams/{request_id:path}", self._guard(self.resume), methods=["GET"]),
                 *self.files.routes(self._guard), *self.batches.routes(self._guard),
                 *self.tokens.routes(self._guard), *self.responses.routes(self._guard)]
@@ -150,6 +152,9 @@ class OpenAIRoutes:
     async def chat(self, request: Request) -> Response:
         return await self._serve(request, parse_chat)
 
+    async def embeddings(self, request: Request) -> Response:
+        return await self._serve(request, parse_embeddings)  # openai/embeddings.py
+
     async def _serve(self, request: Request, parse: Any) -> Response:
         last_event_id = request.headers.get("last-event-id")
         if last_event_id:  # a reconnecting SSE client: the same stream, not a new job
@@ -160,7 +165,7 @@ class OpenAIRoutes:
         lora = await self._check_model(req.model)
         await self._check_backlog()
         meta = StreamMeta(self._request_id(request), req.kind, req.model, int(time.time()), req.n, [],
-                          req.include_usage, req.top_logprobs)
+                          req.include_usage, req.top_logprobs, req.encoding_format)
         tenant = self.gw.config.tenant_of(request_token(request))  # _guard checked the key
         jobs = self._jobs(req, meta, tenant, _session(request, req), lora)
         carried = request.headers.get("traceparent", "")
@@ -258,7 +263,7 @@ class OpenAIRoutes:
         return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
 
     async def _whole(self, request: Request, meta: StreamMeta, stream: JobStream) -> Response:
-        assembler = Assembler(meta)
+        assembler = assembler_for(meta)
 
         async def collect() -> None:
             async for job, event in stream.events():
