@@ -67,6 +67,7 @@ class ScriptedEngine:
     defaults: dict[str, Any] = field(default_factory=dict)  # sampling_defaults()
     template: Any = None  # chat_template()
     render: Callable[[list[dict[str, Any]]], Any] | None = None  # render_chat; None: no chat template
+    texts: dict[tuple[tuple[int, ...], tuple[int, ...]], str] = field(default_factory=dict)  # output_text
     calls: list[Call] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     closed: list[str] = field(default_factory=list)  # requests whose output stream the worker closed
@@ -137,7 +138,9 @@ class ScriptedEngine:
         return self.template
 
     async def output_text(self, prompt_token_ids: list[int], token_ids: list[int], params: SamplingParams) -> str:
-        return "".join(f"<{t}>" for t in token_ids)
+        """`texts[(prompt ids, token ids)]`: what a resumed request already sent, as the engine would have."""
+        assert isinstance(params, SamplingParams), params
+        return self.texts[(tuple(prompt_token_ids), tuple(token_ids))]
 
     def prompt_progress(self) -> dict[str, Any]:
         return {}

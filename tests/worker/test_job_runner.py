@@ -7,6 +7,7 @@ missing) and writes after (usage, finish reasons, log-prob texts). The engine is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -334,7 +335,8 @@ def left_by_a_dead_worker(r: redis.Redis, rid: str, token_ids: list[int], text: 
     """A job whose worker wrote its first token event, then died: the next delivery resumes it."""
     r.xadd(NAMES.events(rid), {"json": encode(token_event(rid, 0, 0, token_ids, text), "json")},
            id=event_stream_id(0))
-    r.xgroup_create(NAMES.requests, NAMES.group, id="0", mkstream=True)
+    with contextlib.suppress(redis.ResponseError):  # BUSYGROUP: made for an earlier one
+        r.xgroup_create(NAMES.requests, NAMES.group, id="0", mkstream=True)
     r.xadd(NAMES.requests, encode_job({"id": rid, "params": GREEDY, **job}))
     r.xreadgroup(NAMES.group, "dead-0", {NAMES.requests: ">"})
 
@@ -500,3 +502,44 @@ async def test_an_output_that_adds_nothing_to_a_tool_job_sends_nothing(redis_url
         await client.submit(messages=CHAT, tools=WEATHER_TOOL, id="quiet", params=GREEDY)
         await wait_for(lambda: has_ended(redis_url, "quiet"), timeout=10)
     assert [(e["type"], e["text"]) for e in read_events(redis_url, "quiet")] == [("token", "Hi"), ("done", "")]
+
+
+HERMES_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %}<tool_call>{% endif %}"
+
+
+@pytest.mark.anyio
+async def test_a_resumed_tool_job_goes_on_inside_the_call_its_last_worker_began(redis_url: str) -> None:
+    """Its parser is brought to where the text already sent left it (the engine says what that text was),
+    so the rest of the call is read as the call's arguments. The family comes from the chat template
+    (`--tool-call-parser auto`). A job with `tool_choice: none` has no parser to bring along."""
+    r = redis.Redis.from_url(redis_url)
+    began = 'Sure.\n<tool_call>\n{"name": "get_weather", '
+    for rid, choice in (("calls", "auto"), ("plain", "none")):
+        left_by_a_dead_worker(r, rid, [1, 2], "Sure.\n", messages=CHAT, tools=WEATHER_TOOL, tool_choice=choice)
+    rest = '"arguments": {"city": "Oslo"}}\n</tool_call>'
+    engine = ScriptedEngine({"ids:5,6,7": [[output(sample(0, rest, [3], "stop"), finished=True)]]},
+                            template=HERMES_TEMPLATE, render=lambda m: TokenizedPrompt([5, 6, 7]),
+                            texts={((5, 6, 7), (1, 2)): began})
+    async with scripted_worker(engine, redis_url, claim_idle_s=0.3):
+        await wait_for(lambda: has_ended(redis_url, "calls") and has_ended(redis_url, "plain"), timeout=10)
+    assert [c.resume_token_ids for c in engine.calls] == [[[1, 2]]] * 2
+    calls = read_events(redis_url, "calls")[1:]  # the events written here
+    assert "".join(e["text"] for e in calls) == ""
+    assert json.loads("".join(c["function"].get("arguments") or "" for e in calls
+                              for c in e.get("tool_calls") or [])) == {"city": "Oslo"}
+    assert check_complete(calls)["finish_reasons"] == ["tool_calls"]
+    plain = read_events(redis_url, "plain")[1:]
+    assert [(e["type"], e["text"]) for e in plain] == [("token", rest), ("done", "")]
+
+
+@pytest.mark.anyio
+async def test_a_resumed_job_runs_to_its_end_past_its_deadline(redis_url: str) -> None:
+    """The deadline is for starting: a job that started before it (its first token is out) is finished."""
+    r = redis.Redis.from_url(redis_url)
+    left_by_a_dead_worker(r, "started", [1], "a", prompt="r", deadline=int(time.time() * 1000) - 1000)
+    engine = ScriptedEngine({"r": [[0.05, *answer("bc", (2, 3))]]})  # its next token takes a moment
+    async with scripted_worker(engine, redis_url, claim_idle_s=0.3):
+        await wait_for(lambda: has_ended(redis_url, "started"), timeout=10)
+    events = read_events(redis_url, "started")
+    assert check_complete(events)["type"] == "done" and "".join(e["text"] for e in events) == "abc"
+    r.close()
