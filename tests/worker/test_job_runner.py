@@ -49,15 +49,19 @@ def error_of(events: list[dict[str, Any]]) -> tuple[str, str]:
     return end["code"], end["message"]
 
 
+# The waits between an engine's refusals for a full queue: from 50 ms, doubling, at most a second.
+BACKOFF_S = [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+
+
 @pytest.mark.anyio
 async def test_a_full_queue_delays_the_job_and_the_engine_takes_it_later(redis_url: str) -> None:
-    engine = ScriptedEngine({"p": [[QueueFullError("full")], [QueueFullError("full")], answer("ab", (1, 2))]})
-    start = time.monotonic()
+    engine = ScriptedEngine({"p": [*[[QueueFullError("full")]] * len(BACKOFF_S), answer("ab", (1, 2))]})
     [events] = await served(engine, redis_url, {"prompt": "p", "id": "waits"})
     assert [(e["id"], e["type"], e["token_ids"], e["text"]) for e in events] == [
         ("waits", "token", [1], "a"), ("waits", "token", [2], "b"), ("waits", "done", [], "")]
-    assert len(engine.calls) == 3 and engine.aborted == []  # refused twice, never dropped
-    assert time.monotonic() - start < 5  # backs off from 50 ms, not seconds
+    assert len(engine.calls) == len(BACKOFF_S) + 1 and engine.aborted == []  # refused, never dropped
+    waits = [b.at - a.at for a, b in zip(engine.calls, engine.calls[1:])]
+    assert all(want <= wait < want + 0.3 for want, wait in zip(BACKOFF_S, waits, strict=True)), waits
     assert dead_letters(redis_url) == []
 
 
