@@ -70,6 +70,7 @@ class ScriptedEngine:
     texts: dict[tuple[tuple[int, ...], tuple[int, ...]], str] = field(default_factory=dict)  # output_text
     calls: list[Call] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
+    aborted_at: dict[str, float] = field(default_factory=dict)  # wall-clock time of each abort
     closed: list[str] = field(default_factory=list)  # requests whose output stream the worker closed
     _aborts: dict[str, anyio.Event] = field(default_factory=dict)
 
@@ -112,6 +113,7 @@ class ScriptedEngine:
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+        self.aborted_at[request_id] = time.time()
         if request_id in self._aborts:
             self._aborts[request_id].set()
 

@@ -120,7 +120,7 @@ async def test_an_engine_that_dies_stops_the_worker_and_leaves_the_job_for_anoth
 
 @pytest.mark.anyio
 async def test_a_deadline_passed_before_the_start_never_reaches_the_engine(redis_url: str) -> None:
-    engine = ScriptedEngine({"p": [answer()]})
+    engine = ScriptedEngine({"p": [[0.01, *answer()]]})  # the engine's first output takes a moment
     past = int(time.time() * 1000) - 1000
     [late, ok] = await served(engine, redis_url, {"prompt": "p", "id": "late", "deadline": past},
                               {"prompt": "p", "id": "ok", "deadline": past + 60_000})
@@ -132,11 +132,13 @@ async def test_a_deadline_passed_before_the_start_never_reaches_the_engine(redis
 @pytest.mark.anyio
 async def test_a_deadline_that_passes_while_the_engine_queues_the_job_aborts_it(redis_url: str) -> None:
     engine = ScriptedEngine({"slow": [[3.0, *answer()]]})
-    deadline = int(time.time() * 1000) + 700
-    [events] = await served(engine, redis_url, {"prompt": "slow", "id": "slow", "deadline": deadline})
-    assert error_of(events) == ("expired", "the deadline passed before the job started")
+    async with scripted_worker(engine, redis_url), AsyncClient(redis_url) as client:
+        deadline = int(time.time() * 1000) + 400
+        await client.submit("slow", id="slow", deadline=deadline, params=GREEDY)
+        await wait_for(lambda: has_ended(redis_url, "slow"), timeout=10)
+    assert error_of(read_events(redis_url, "slow")) == ("expired", "the deadline passed before the job started")
     assert engine.aborted == ["slow"]
-    assert time.time() * 1000 - deadline < 2500  # answered at the deadline, not after the first output
+    assert 0 <= engine.aborted_at["slow"] * 1000 - deadline < 450  # at the deadline, not at the first output
 
 
 @pytest.mark.anyio
@@ -216,12 +218,15 @@ async def test_a_job_whose_worker_died_as_it_entered_the_engine_runs_alone_once(
     r = redis.Redis.from_url(redis_url)
     for rid, alone in (("crowd", 0), ("lone", 1)):
         r.hset(NAMES.fence(rid), mapping={"epoch": 1, "started": 1, "seq": 0, "alone": alone})
-    engine = ScriptedEngine({"p": [answer()]})
-    crowd, lone = await served(engine, redis_url, {"prompt": "p", "id": "crowd"}, {"prompt": "p", "id": "lone"})
+    engine = ScriptedEngine({"p": [[0.5, *answer()]], "q": [answer()]})  # its first output takes 0.5 s
+    crowd, lone, _ = await served(engine, redis_url, {"prompt": "p", "id": "crowd"}, {"prompt": "p", "id": "lone"},
+                                  {"prompt": "q", "id": "other"})
     assert check_complete(crowd)["type"] == "done"
+    # Alone: the job pushed after it enters the engine only once the suspect has its first output.
+    assert [c.request_id for c in engine.calls] == ["crowd", "other"]
+    assert engine.calls[1].at - engine.calls[0].at >= 0.5
     assert error_of(lone) == ("crashed_worker", "the job was running alone in the engine when its worker died, "
                               "before any output: it is not handed to another worker")
-    assert [c.request_id for c in engine.calls] == ["crowd"]
     assert r.hget(NAMES.fence("crowd"), "alone") == b"1"  # this attempt is on record as a lone one
     assert [(d["id"], d["reason"]) for d in dead_letters(redis_url)] == [(b"lone", b"crashed_worker")]
     assert "request crowd: its worker died while it entered the engine; running it alone" in caplog.messages
