@@ -68,6 +68,7 @@ class ScriptedEngine:
     template: Any = None  # chat_template()
     render: Callable[[list[dict[str, Any]]], Any] | None = None  # render_chat; None: no chat template
     texts: dict[tuple[tuple[int, ...], tuple[int, ...]], str] = field(default_factory=dict)  # output_text
+    rendered: list[tuple[Any, Any]] = field(default_factory=list)  # (messages, tools) of each render_chat
     calls: list[Call] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     aborted_at: dict[str, float] = field(default_factory=dict)  # wall-clock time of each abort
@@ -126,6 +127,7 @@ class ScriptedEngine:
     async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> Any:
         if self.render is None:
             raise ValueError("this checkpoint has no chat template")
+        self.rendered.append((messages, tools))
         return self.render(messages)
 
     async def tokenize(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,

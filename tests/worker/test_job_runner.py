@@ -37,9 +37,10 @@ TWO = {"max_tokens": 8, "temperature": 1.0, "n": 2}  # two samples
 
 async def served(engine: ScriptedEngine, redis_url: str, *jobs: dict[str, Any]) -> list[list[dict[str, Any]]]:
     """Each job (AsyncClient.submit's arguments) served to its end by a worker on `engine`: its events."""
-    async with scripted_worker(engine, redis_url), AsyncClient(redis_url) as client:
+    async with scripted_worker(engine, redis_url) as worker, AsyncClient(redis_url) as client:
         ids = [await client.submit(**{"params": GREEDY, **job}) for job in jobs]
         await wait_for(lambda: all(has_ended(redis_url, rid) for rid in ids), timeout=10)
+        await wait_for(lambda: worker.stats()["jobs"] == 0, timeout=5)  # what its heartbeat says it holds
     return [read_events(redis_url, rid) for rid in ids]
 
 
@@ -184,9 +185,12 @@ async def test_log_prob_pairs_carry_each_tokens_text(redis_url: str) -> None:
 @pytest.mark.anyio
 async def test_the_engine_gets_the_jobs_priority_session_and_params_over_the_checkpoints(redis_url: str) -> None:
     engine = ScriptedEngine({"p": [answer()]}, defaults={"temperature": 0.7, "top_k": 3})
+    engine.scripts["ids:9,8"] = [answer()]
     await served(engine, redis_url, {"prompt": "p", "id": "j", "priority": -3, "session": "chat-1",
-                                     "params": {"temperature": 0.5, "max_tokens": 5}})
-    [call] = engine.calls
+                                     "params": {"temperature": 0.5, "max_tokens": 5}},
+                 {"prompt_token_ids": [9, 8], "id": "ids"})
+    call, by_ids = engine.calls
+    assert by_ids.prompt == {"prompt_token_ids": [9, 8]}
     assert (call.request_id, call.priority, call.session, call.resume_token_ids) == ("j", -3, "chat-1", None)
     assert (call.params.temperature, call.params.top_k, call.params.max_tokens) == (0.5, 3, 5)
     assert call.prompt == "p" and call.lora_request is None
@@ -273,6 +277,7 @@ async def test_a_second_job_with_a_used_id_is_a_dead_letter_and_the_first_runs(r
     [letter] = dead_letters(redis_url)
     assert (letter["id"], letter["reason"], letter["message"]) == (
         b"dup", b"duplicate_id", b"id 'dup' is already used by another request")
+    assert b'"second"' in letter["payload_json"]  # the job that was refused, kept for the operator
     r = redis.Redis.from_url(redis_url)
     assert r.xpending(NAMES.requests, NAMES.group)["pending"] == 0  # both acked
     r.close()
@@ -408,6 +413,7 @@ async def test_tool_calls_are_read_from_the_stream_and_end_with_tool_calls(redis
     async with scripted_worker(engine, redis_url, tool_call_parser="hermes"), AsyncClient(redis_url) as client:
         await client.submit(messages=CHAT, tools=WEATHER_TOOL, id="calls", params=GREEDY)
         await wait_for(lambda: has_ended(redis_url, "calls"), timeout=10)
+    assert engine.rendered == [(CHAT, WEATHER_TOOL)]  # the functions go into the template
     events = read_events(redis_url, "calls")
     assert "".join(e["text"] for e in events) == "Sure.\n"
     calls = [c for e in events for c in e.get("tool_calls") or []]
