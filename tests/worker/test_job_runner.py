@@ -94,17 +94,20 @@ async def test_an_error_output_ends_the_job_with_the_engines_code_or_internal(re
 
 
 @pytest.mark.anyio
-async def test_a_stream_that_ends_unfinished_is_an_internal_error(redis_url: str) -> None:
+async def test_a_stream_that_ends_unfinished_is_an_internal_error(redis_url: str,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
     engine = ScriptedEngine({"p": [[output(sample(0, "a", [1]))]]})
     [events] = await served(engine, redis_url, {"prompt": "p", "id": "cut"})
     assert error_of(events) == ("internal", "worker error: engine stream ended without a finished output")
     assert events[0]["token_ids"] == [1]
     [letter] = dead_letters(redis_url)
     assert (letter["id"], letter["reason"]) == (b"cut", b"internal") and b'"cut"' in letter["payload_json"]
+    assert f"request cut (entry {letter['entry'].decode()}) failed" in caplog.messages
 
 
 @pytest.mark.anyio
-async def test_an_engine_that_dies_stops_the_worker_and_leaves_the_job_for_another(redis_url: str) -> None:
+async def test_an_engine_that_dies_stops_the_worker_and_leaves_the_job_for_another(
+        redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
     engine = ScriptedEngine({"p": [[EngineDeadError("step loop crashed")]]})
     r = redis.Redis.from_url(redis_url)
     with pytest.raises(BaseException) as raised:  # the task group wraps it
@@ -114,6 +117,7 @@ async def test_an_engine_that_dies_stops_the_worker_and_leaves_the_job_for_anoth
                 while not worker.stopping:
                     await anyio.sleep(0.02)
     assert "worker stopped: the engine failed (step loop crashed)" in repr(raised.value)
+    assert "request orphan: engine is dead (step loop crashed); stopping this worker" in caplog.messages
     assert read_events(redis_url, "orphan") == []
     assert dead_letters(redis_url) == []
     assert r.xpending(NAMES.requests, NAMES.group)["pending"] == 1  # unacked: another worker resumes it
@@ -149,11 +153,12 @@ async def test_a_job_cancelled_before_it_was_read_ends_aborted_without_running(r
     async with AsyncClient(redis_url) as client:
         await client.submit("p", id="gone", params=TWO)
         await client.cancel("gone")
-        async with scripted_worker(engine, redis_url):
+        async with scripted_worker(engine, redis_url) as worker:
             await client.submit("p", id="after", params=GREEDY)
             await wait_for(lambda: has_ended(redis_url, "gone") and has_ended(redis_url, "after"), timeout=10)
+            assert samples(worker, "vllm:request_success_total", finished_reason="abort") == 2  # per sample
     end = check_complete(read_events(redis_url, "gone"))
-    assert (end["type"], end["finish_reasons"]) == ("done", ["abort", "abort"])
+    assert (end["type"], end["id"], end["finish_reasons"]) == ("done", "gone", ["abort", "abort"])
     assert end["usage"] == {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
     assert [c.request_id for c in engine.calls] == ["after"]
 
