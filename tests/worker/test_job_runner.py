@@ -566,3 +566,22 @@ async def test_a_resumed_job_runs_to_its_end_past_its_deadline(redis_url: str) -
     events = read_events(redis_url, "started")
     assert check_complete(events)["type"] == "done" and "".join(e["text"] for e in events) == "abc"
     r.close()
+
+
+@pytest.mark.anyio
+async def test_a_tenants_failed_job_costs_nothing_and_frees_its_slot(redis_url: str) -> None:
+    """A job the worker fails on is answered: its tenant's slot is free again and the flat charge taken
+    with it is given back (accounting.py)."""
+    r = redis.Redis.from_url(redis_url)
+    engine = ScriptedEngine({"p": [[output(sample(0, "a", [1]))]]})  # ends unfinished: an internal error
+    service = lambda: r.hget(NAMES.service, "acme")  # noqa: E731
+    async with scripted_worker(engine, redis_url), AsyncClient(redis_url) as client:
+        r.zadd(NAMES.tenant_active("acme"), {"t": 2**50})  # its slot, as the gateway's admission takes it
+        await client.submit("p", id="t", tenant="acme", params=GREEDY)
+        await wait_for(lambda: has_ended(redis_url, "t"), timeout=10)
+        with anyio.move_on_after(5):
+            while service() is None or float(service()) != 0 or r.zcard(NAMES.tenant_active("acme")):
+                await anyio.sleep(0.05)
+    assert error_of(read_events(redis_url, "t"))[0] == "internal"
+    assert float(service() or -1) == 0 and r.zcard(NAMES.tenant_active("acme")) == 0
+    r.close()
