@@ -495,7 +495,9 @@ async def test_an_embed_job_enters_the_engine_on_record_and_can_be_cancelled_the
     assert r.hget(NAMES.fence("vec"), "started") == r.hget(NAMES.fence("vec"), "epoch") == b"1"
     for rid in ("stuck", "early"):
         end = check_complete(read_events(redis_url, rid))
-        assert (end["type"], end["finish_reasons"]) == ("done", ["abort"]), rid
+        assert (end["type"], end["id"], end["finish_reasons"]) == ("done", rid, ["abort"]), rid
+    assert check_complete(read_events(redis_url, "early"))["usage"] == {
+        "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
     assert engine.aborted == ["stuck"] and sorted(c.request_id for c in engine.calls) == ["stuck", "vec"]
     r.close()
 
