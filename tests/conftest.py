@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random checkpoints and a private redis-server per test session."""
 
 import os
+import signal
 import time
 
 # The Triton interpreter must be chosen before any @triton.jit function is defined, and only
@@ -14,6 +15,11 @@ import pytest
 
 from streamer.random_checkpoint import TinyModelSpec, build_checkpoint
 from workers.redis_server import RedisServer
+
+# A suite started in the background of a non-interactive shell (`... &`) inherits SIGINT ignored, and an
+# ignored signal stays ignored across exec: every `streamer up`/`top` the tests start would then ignore
+# the Ctrl-C they send it, and the tests would time out. Python's own handler is reset on exec.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
