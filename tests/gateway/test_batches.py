@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -16,6 +15,7 @@ import openai
 import pytest
 import redis
 import redis.asyncio as aioredis
+from docs_examples import run_docs_example
 from redis_worker_helpers import NAMES, kill_all, running_worker, worker_process
 from rich.console import Console
 from test_gateway import config
@@ -236,17 +236,8 @@ async def _done_at_least(client: openai.AsyncOpenAI, batch_id: str, count: int) 
 @pytest.mark.anyio
 async def test_the_docs_example_runs_as_written(llama_ckpt: Path, redis_url: str) -> None:
     """docs/openai.md's Batch API example, with only the gateway's address changed."""
-    docs = (Path(__file__).resolve().parents[2] / "docs" / "openai.md").read_text()
-    at = docs.index("## Batch API")
-    start = docs.index("```python\n", at) + len("```python\n")
-    code = docs[start:docs.index("```\n", start)]
-    async with running_worker(llama_ckpt, redis_url), running_gateway(config(redis_url)) as gw:
-        code = code.replace("http://127.0.0.1:8000/v1", gw.url + "v1")
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.PIPE)
-        out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode == 0, err.decode()
-    printed = out.decode()  # the statuses it polled, then each answer after its custom_id (random text)
+    # It prints the statuses it polled, then each answer after its custom_id (random text).
+    printed = await run_docs_example("## Batch API", llama_ckpt, redis_url)
     assert "completed BatchRequestCounts(completed=3, failed=0, total=3)" in printed
     assert all(f"\nq{i} " in printed for i in range(3))
 

@@ -10,13 +10,13 @@ import base64
 import io
 import json
 import struct
-import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import torch
+from docs_examples import run_docs_example
 from redis_worker_helpers import running_worker
 from test_batches import finished, jsonl, output, sdk
 from test_gateway import config
@@ -158,17 +158,7 @@ async def test_a_raw_embed_job_on_the_queue_is_answered_with_a_result(llama_ckpt
 @pytest.mark.anyio
 async def test_the_docs_example_runs_as_written(llama_ckpt: Path, redis_url: str) -> None:
     """docs/openai.md's embeddings example, with only the gateway's address changed."""
-    docs = (Path(__file__).resolve().parents[2] / "docs" / "openai.md").read_text()
-    at = docs.index("## Embeddings")
-    start = docs.index("```python\n", at) + len("```python\n")
-    code = docs[start:docs.index("```\n", start)]
-    async with running_worker(llama_ckpt, redis_url), running_gateway(config(redis_url)) as gw:
-        code = code.replace("http://127.0.0.1:8000/v1", gw.url + "v1")
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.PIPE)
-        out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode == 0, err.decode()
-    printed = out.decode().splitlines()
+    printed = (await run_docs_example("## Embeddings", llama_ckpt, redis_url)).splitlines()
     assert printed[0] == "2 vectors of 64 floats" and printed[1].startswith("prompt tokens: ")
     assert -1.0 <= float(printed[2].removeprefix("similarity: ")) <= 1.0  # normalised: a cosine
     assert printed[3] == "dimensions refused: 400"  # the tiny model is no matryoshka model

@@ -4,9 +4,7 @@ worker SIGKILLed, gateway and Redis restarts) are in test_responses_faults.py.""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +12,7 @@ import jsonschema
 import openai
 import pytest
 import redis.asyncio as aioredis
+from docs_examples import run_docs_example
 from redis_worker_helpers import NAMES, long_context_checkpoint, running_worker
 from test_batches import until
 from test_gateway import config
@@ -238,16 +237,6 @@ async def _has_final(r: aioredis.Redis, response_id: str) -> bool:
 @pytest.mark.anyio
 async def test_the_docs_example_runs_as_written(llama_ckpt: Path, redis_url: str) -> None:
     """docs/openai.md's Responses API example, with only the gateway's address changed."""
-    docs = (Path(__file__).resolve().parents[2] / "docs" / "openai.md").read_text()
-    at = docs.index("## Responses API")
-    start = docs.index("```python\n", at) + len("```python\n")
-    code = docs[start:docs.index("```\n", start)]
-    async with running_worker(llama_ckpt, redis_url), running_gateway(config(redis_url)) as gw:
-        code = code.replace("http://127.0.0.1:8000/v1", gw.url + "v1")
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.PIPE)
-        out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode == 0, err.decode()
-    printed = out.decode().splitlines()
+    printed = (await run_docs_example("## Responses API", llama_ckpt, redis_url)).splitlines()
     assert "background: queued" in printed and printed[-1] in ("status: completed", "status: incomplete"), printed
     assert any(line.startswith("cached prompt tokens: ") for line in printed), printed
