@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -92,6 +93,48 @@ async def test_whole_streamed_and_background_responses(llama_ckpt: Path, redis_u
             await client.responses.retrieve(queued.id)
         with pytest.raises(openai.BadRequestError):  # only background responses can be cancelled
             await client.responses.cancel(whole.id)
+
+
+async def plain_sse(http: httpx.AsyncClient, method: str, path: str, **kwargs: Any) -> list[dict[str, Any]]:
+    """The Responses stream as a hand-written reader takes it, no SDK: the raw body line by line, each
+    event an `event: TYPE` line, a `data: JSON` line of that type and a blank line, and nothing else
+    (no comment, no `id:`, no `[DONE]`: the body ends after the last event)."""
+    async with http.stream(method, path, **kwargs) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        lines = [line async for line in resp.aiter_lines()]
+    assert lines and len(lines) % 3 == 0, lines[-4:]
+    events = []
+    for kind, data, blank in zip(lines[0::3], lines[1::3], lines[2::3], strict=True):
+        assert kind.startswith("event: ") and data.startswith("data: ") and blank == "", (kind, data, blank)
+        event = json.loads(data.removeprefix("data: "))
+        assert event["type"] == kind.removeprefix("event: ")
+        events.append(event)
+    return events
+
+
+@pytest.mark.anyio
+async def test_a_plain_line_reader_reads_what_the_sdk_reads(llama_ckpt: Path, redis_url: str) -> None:
+    """`/v1/responses` with `stream: true` read line by line over plain HTTP: every event parses, the
+    sequence numbers run 0, 1, 2 ... and the stream ends with the response's final event, where the
+    `openai` SDK's iteration ends; the SDK reads the same events of the same request. Resumed with
+    `GET ...?stream=true&starting_after=N`, the same reader gets the same events after N."""
+    model = str(llama_ckpt)
+    asked = {"model": model, "input": "Tell me about foxes.", "max_output_tokens": 8, "temperature": 0}
+    async with running_worker(llama_ckpt, redis_url), running_gateway(config(redis_url)) as gw, sdk(gw) as client, \
+            httpx.AsyncClient(base_url=gw.url + "v1", timeout=60) as http:
+        plain = await plain_sse(http, "POST", "/responses", json={**asked, "stream": True, "ignore_eos": True})
+        via_sdk = await events_of(await client.responses.create(**asked, stream=True,
+                                                                extra_body={"ignore_eos": True}))
+        response_id = plain[0]["response"]["id"]
+        resumed = await plain_sse(http, "GET", f"/responses/{response_id}",
+                                  params={"stream": "true", "starting_after": "3"})
+    assert [e["sequence_number"] for e in plain] == list(range(len(plain)))
+    assert plain[-1]["type"] == "response.incomplete" and plain[-1]["response"]["status"] == "incomplete"
+    assert [(e.type, e.sequence_number) for e in via_sdk] == [(e["type"], e["sequence_number"]) for e in plain]
+    deltas = ["".join(e["delta"] for e in plain if e["type"] == "response.output_text.delta"),
+              "".join(e.delta for e in via_sdk if e.type == "response.output_text.delta")]
+    assert deltas[0] and deltas[0] == deltas[1] == via_sdk[-1].response.output_text
+    assert resumed == plain[4:]
 
 
 async def _ended(client: openai.AsyncOpenAI, response_id: str) -> bool:
