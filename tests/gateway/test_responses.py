@@ -19,7 +19,11 @@ from test_batches import until
 from test_gateway import config
 from test_openai_api import sdk
 
+from clients.protocol import event_stream_id
+from workers.gateway.hub import Hub
 from workers.gateway.keys_file import TenantLimits
+from workers.gateway.metrics import Metrics
+from workers.gateway.openai.response_store import ResponseStore, StoredResponse
 from workers.gateway.server import running_gateway
 
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -135,6 +139,61 @@ async def test_a_plain_line_reader_reads_what_the_sdk_reads(llama_ckpt: Path, re
               "".join(e.delta for e in via_sdk if e.type == "response.output_text.delta")]
     assert deltas[0] and deltas[0] == deltas[1] == via_sdk[-1].response.output_text
     assert resumed == plain[4:]
+
+
+@pytest.mark.anyio
+async def test_reading_a_running_response_again_replays_only_its_new_events(redis_url: str) -> None:
+    """`GET /v1/responses/{id}` of a running response (ResponseStore.current): each read asks Redis only
+    for the job events written after those the previous read saw (Redis's own log of the XRANGEs it
+    answered), and answers what replaying every event answers (a store that kept nothing). Events lost
+    with Redis are noticed, and what is left is replayed."""
+    hub = Hub(redis_url, NAMES, Metrics())
+    r = aioredis.Redis.from_url(redis_url)
+    fixed = {"id": "resp_kept", "object": "response", "model": "m", "background": True, "created_at": 1}
+    stored = StoredResponse("resp_kept", fixed, "kept-job", "", "", [])
+    store, key = ResponseStore(hub), NAMES.events("kept-job")
+    job = [{"type": "token", "seq": 0, "text": "Once"}, {"type": "token", "seq": 1, "text": " upon"},
+           {"type": "token", "seq": 2, "text": " a"},
+           {"type": "done", "seq": 3, "finish_reason": "length", "usage": {"prompt_tokens": 2, "completion_tokens": 3}}]
+
+    async def write(event: dict[str, Any]) -> None:
+        await r.xadd(key, {"json": json.dumps(event)}, id=event_stream_id(event["seq"]))
+
+    async def read() -> tuple[dict[str, Any], list[str]]:
+        """The kept store's answer, and where each XRANGE of the events it sent started."""
+        await r.slowlog_reset()
+        got = await store.current(stored)
+        sent = [e["command"].decode().split() for e in await r.slowlog_get(128)]
+        return got, [c[2] for c in reversed(sent) if c[:2] == ["XRANGE", key]]
+
+    threshold = (await r.config_get("slowlog-log-slower-than"))["slowlog-log-slower-than"]
+    try:
+        await r.config_set("slowlog-log-slower-than", 0)  # every command, with its arguments
+        await store.create(stored)
+        await r.set(NAMES.job("kept-job"), "0-1")  # its job is pushed
+        queued, starts = await read()
+        assert queued["status"] == "queued" and starts == ["(0-0"]
+        for event in job[:3]:
+            await write(event)
+            got, starts = await read()
+            assert starts == [f"({event_stream_id(event['seq'] - 1) if event['seq'] else '0-0'}"]
+            assert got == await ResponseStore(hub).current(stored) and got["status"] == "in_progress"
+        assert got["output"][0]["content"][0]["text"] == "Once upon a"
+        # Redis restarted without the last two events: replayed from what it holds.
+        await r.delete(key)
+        await write(job[0])
+        got, starts = await read()
+        assert starts == ["(0-3", "(0-0"] and got == await ResponseStore(hub).current(stored)
+        assert got["output"][0]["content"][0]["text"] == "Once"
+        for event in job[1:]:
+            await write(event)
+        final = await store.current(stored)
+        assert final["status"] == "incomplete" and final["output"][0]["content"][0]["text"] == "Once upon a"
+        assert final == (await store.load("resp_kept")).final  # type: ignore[union-attr]
+    finally:
+        await r.config_set("slowlog-log-slower-than", threshold)
+        await r.aclose()
+        await hub.redis.aclose()
 
 
 async def _ended(client: openai.AsyncOpenAI, response_id: str) -> bool:

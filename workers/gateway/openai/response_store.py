@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ log = logging.getLogger("streamer.gateway")
 
 KEEP_S = 30 * 24 * 3600  # how long a stored response is kept (OpenAI keeps them 30 days)
 SWEEP_EVERY_S = 0.5
+REPLAYS_KEPT = 1024  # running responses whose replay a gateway keeps between reads (least recent dropped)
 # KEYS[1] = the response; ARGV[1] = its final object. Written once, and never into a response deleted
 # meanwhile (HSETNX alone would make a new hash of it, kept forever); returns the final one stored.
 _FINISH = """
@@ -38,6 +40,20 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
 end
 return redis.call('HGET', KEYS[1], 'final')
 """
+
+
+@dataclass
+class _Replay:
+    """A running response's job events replayed so far (ResponseStore.current)."""
+
+    events: ResponseEvents
+    last_entry: str = "0-0"  # the last events-stream entry applied ("0-0": none)
+    applied: int = 0  # how many entries were applied
+
+
+def _entry_order(entry: bytes | str) -> tuple[int, int]:
+    ms, _, seq = _text(entry).partition("-")
+    return int(ms), int(seq)
 
 
 @dataclass
@@ -60,6 +76,7 @@ class ResponseStore:
     def __init__(self, hub: Hub) -> None:
         self.hub, self.redis, self.names = hub, hub.redis, hub.names
         self._finish = self.redis.register_script(_FINISH)
+        self._replays: OrderedDict[str, _Replay] = OrderedDict()  # running responses' replays, by id
 
     def key(self, response_id: str) -> str:
         return keyed(self.names, "response", response_id)
@@ -90,6 +107,7 @@ class ResponseStore:
                               json.loads(state["final"]) if "final" in state else None)
 
     async def delete(self, response_id: str) -> None:
+        self._replays.pop(response_id, None)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.delete(self.key(response_id))
             pipe.srem(self.active_key, response_id)
@@ -98,35 +116,54 @@ class ResponseStore:
     async def mark_cancelled(self, response_id: str) -> None:
         await self.redis.hset(self.key(response_id), "cancelled", 1)
 
-    async def events(self, job: str) -> list[dict[str, Any]]:
-        """The job's events so far, in seq order (its durable events stream)."""
-        events = []
-        for _entry, fields in await self.redis.xrange(self.names.events(job)):
-            try:
-                events.append(decode_payload(*split_fields(fields)))
-            except ProtocolError as e:  # ends the response failed, as the OpenAI streams report it
-                events.append({"type": "error", "code": "damaged_events", "message": e.message})
-        return events
-
     async def current(self, r: StoredResponse) -> dict[str, Any]:
         """The response object now: the stored final one, or the job's events so far replayed (and, when
-        they end it, stored as the final one)."""
+        they end it, stored as the final one). A running response's replay is kept between calls, so a
+        client polling it costs the events written since its last poll, not all of them again."""
         if r.final is not None:
             return r.final
-        replay = ResponseEvents(r.fixed)
-        replay.opening()
-        for event in await self.events(r.job):
-            replay.on_event(event)
-        if not replay.finished and not await self.hub.known(r.job):
+        replay = await self._replayed(r)
+        if not replay.events.finished and not await self.hub.known(r.job):
             # No events and no job: its keys expired (or the push was lost with Redis) before it ended.
-            replay.on_event({"type": "error", "code": "expired", "message": "the response's job is gone "
-                             "(expired, or lost) before it finished"})
-        if replay.finished:
-            return await self.finish(r, replay.snapshot())
-        obj = replay.snapshot()
+            replay.events.on_event({"type": "error", "code": "expired", "message": "the response's job is gone "
+                                    "(expired, or lost) before it finished"})
+        if replay.events.finished:
+            self._replays.pop(r.id, None)
+            return await self.finish(r, replay.events.snapshot())
+        obj = replay.events.snapshot()
         if r.cancelled:  # its job is being stopped: it ends cancelled
             obj["status"] = "cancelled"
         return obj
+
+    async def _replayed(self, r: StoredResponse) -> _Replay:
+        """The response's replay with every job event in Redis applied: the kept one, fed what was
+        written after the last entry it saw, or a new one from the first event."""
+        replay = self._replays.get(r.id)
+        if replay is None:
+            replay = self._replays[r.id] = _Replay(ResponseEvents(r.fixed))
+            replay.events.opening()
+            while len(self._replays) > REPLAYS_KEPT:  # the least recently read go first
+                self._replays.popitem(last=False)
+        self._replays.move_to_end(r.id)
+        key = self.names.events(r.job)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xlen(key)
+            pipe.xrange(key, f"({replay.last_entry}")
+            length, entries = await pipe.execute()
+        if length < replay.applied:  # fewer events than it saw: lost with Redis; replay what is there
+            if self._replays.get(r.id) is replay:
+                del self._replays[r.id]
+            return await self._replayed(r)
+        for entry, fields in entries:
+            if _entry_order(entry) <= _entry_order(replay.last_entry):
+                continue  # another read of this response applied it while this one waited for Redis
+            try:
+                event = decode_payload(*split_fields(fields))
+            except ProtocolError as e:  # ends the response failed, as the OpenAI streams report it
+                event = {"type": "error", "code": "damaged_events", "message": e.message}
+            replay.events.on_event(event)
+            replay.last_entry, replay.applied = _text(entry), replay.applied + 1
+        return replay
 
     async def finish(self, r: StoredResponse, obj: dict[str, Any]) -> dict[str, Any]:
         """Store the finished object (once: the first writer's stays) and take it off the active set."""
