@@ -1,20 +1,26 @@
 """GGUF files written from the tiny random checkpoints, as llama.cpp's converter lays them out
-(tensor names, Llama's q/k row order for its interleaved rotary, a byte-level BPE tokenizer with
-its merges and chat template), with F32, F16, Q8_0 or K-quant (Q4_K, Q6_K, and the Q4_K_M mix) weights,
-for the GGUF loading tests. gguf-py de-quantizes K-quants but cannot write them: `quantize_q4_k` and
-`quantize_q6_k` are plain encoders of their block layouts (not llama.cpp's error-minimising search),
-checked against gguf-py's de-quantizer."""
+(tensor names, Llama's q/k row order for its interleaved rotary, Gemma's norms stored as 1 + w, the
+settings it writes for each family, a byte-level BPE tokenizer with its merges or a sentencepiece
+one with scores and token types, the chat template), with F32, F16, Q8_0 or K-quant (Q4_K, Q6_K,
+and the Q4_K_M mix) weights, for the GGUF loading tests. `use_gemma_tokenizer` gives a checkpoint
+a Gemma-style sentencepiece tokenizer (byte fallback, no merges in the file) first. gguf-py
+de-quantizes K-quants but cannot write them: `quantize_q4_k` and `quantize_q6_k` are plain encoders
+of their block layouts (not llama.cpp's error-minimising search), checked against gguf-py's
+de-quantizer."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import gguf
 import numpy as np
 from safetensors.numpy import load_file
 
-ARCHES = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
+ARCHES = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
+          "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3_text": gguf.MODEL_ARCH.GEMMA3}
+GEMMAS = (gguf.MODEL_ARCH.GEMMA2, gguf.MODEL_ARCH.GEMMA3)
 TYPES = {"F32": gguf.GGMLQuantizationType.F32, "F16": gguf.GGMLQuantizationType.F16,
          "Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q4_K": gguf.GGMLQuantizationType.Q4_K,
          "Q6_K": gguf.GGMLQuantizationType.Q6_K}
@@ -86,12 +92,15 @@ def _interleave_rotary(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(ckpt: Path, out: Path, weight_type: str = "F32") -> Path:
-    """`ckpt` (a random checkpoint of `ARCHES`' families) as one GGUF file at `out`; 2-D weights in
-    `weight_type`, norms in F32 (as llama.cpp keeps them)."""
-    config = json.loads((ckpt / "config.json").read_text())
-    arch = ARCHES[config["model_type"]]
-    writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
+def _rope(config: dict) -> dict:
+    """The RoPE parameters of the (global) attention layers."""
+    rope = config.get("rope_parameters") or {}
+    return {"rope_theta": config.get("rope_theta"), **rope.get("full_attention", rope)}
+
+
+def _add_hyperparameters(writer: gguf.GGUFWriter, config: dict, arch: gguf.MODEL_ARCH) -> None:
+    """What llama.cpp's converter writes for each family (Gemma 2: no RoPE base, its soft-caps;
+    Gemma 3: the global layers' RoPE base and scaling)."""
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     writer.add_context_length(config["max_position_embeddings"])
@@ -100,20 +109,47 @@ def write_gguf(ckpt: Path, out: Path, weight_type: str = "F32") -> Path:
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_dimension_count(head_dim)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    rope = _rope(config)
+    if arch == gguf.MODEL_ARCH.GEMMA2:
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    else:
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if arch in GEMMAS:
+        writer.add_sliding_window(config["sliding_window"])
+
+
+def _as_llama_cpp_stores(w: np.ndarray, name: str, arch: gguf.MODEL_ARCH, config: dict) -> np.ndarray:
+    """Llama's q and k rows interleaved per head; Gemma's norms, which scale by 1 + w, stored as 1 + w."""
+    if arch == gguf.MODEL_ARCH.LLAMA and ".q_proj." in name:
+        return _interleave_rotary(w, config["num_attention_heads"])
+    if arch == gguf.MODEL_ARCH.LLAMA and ".k_proj." in name:
+        return _interleave_rotary(w, config["num_key_value_heads"])
+    if arch in GEMMAS and name.endswith("norm.weight"):
+        return w + 1
+    return w
+
+
+def write_gguf(ckpt: Path, out: Path, weight_type: str = "F32") -> Path:
+    """`ckpt` (a random checkpoint of `ARCHES`' families) as one GGUF file at `out`; 2-D weights in
+    `weight_type`, norms in F32 (as llama.cpp keeps them)."""
+    config = json.loads((ckpt / "config.json").read_text())
+    arch = ARCHES[config["model_type"]]
+    writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
+    _add_hyperparameters(writer, config, arch)
     _add_tokenizer(writer, ckpt)
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     for name, w in load_file(str(ckpt / "model.safetensors")).items():
         base = name.removesuffix(".weight").removesuffix(".bias")
         target = names.get_name(base) + name[len(base):]
-        if arch == gguf.MODEL_ARCH.LLAMA and ".q_proj." in name:
-            w = _interleave_rotary(w, heads)
-        elif arch == gguf.MODEL_ARCH.LLAMA and ".k_proj." in name:
-            w = _interleave_rotary(w, kv_heads)
+        w = _as_llama_cpp_stores(w, name, arch, config)
         if w.ndim != 2:
             qtype = gguf.GGMLQuantizationType.F32
         else:
@@ -138,12 +174,74 @@ def _add_tokenizer(writer: gguf.GGUFWriter, ckpt: Path) -> None:
         vocab[added["content"]] = added["id"]
     tokens = sorted(vocab, key=vocab.get)
     special = {a["content"] for a in spec["added_tokens"] if a["special"]}
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
     tok_config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    if spec["model"].get("byte_fallback"):
+        _add_sentencepiece_vocab(writer, tokens, special, vocab[tok_config["unk_token"]])
+        writer.add_pad_token_id(vocab[tok_config["pad_token"]])
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+        writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
     writer.add_bos_token_id(vocab[tok_config["bos_token"]])
     writer.add_eos_token_id(vocab[tok_config["eos_token"]])
     writer.add_chat_template((ckpt / "chat_template.jinja").read_text())
+
+
+def _add_sentencepiece_vocab(writer: gguf.GGUFWriter, tokens: list[str], special: set[str], unk: int) -> None:
+    """As llama.cpp writes a sentencepiece vocabulary (Gemma's): pieces, scores (higher merges
+    first), token types, no merges; BOS added to each text, no space prefix."""
+    def kind(i: int, t: str) -> gguf.TokenType:
+        if i == unk:
+            return gguf.TokenType.UNKNOWN
+        if t in special:
+            return gguf.TokenType.CONTROL
+        return gguf.TokenType.BYTE if re.fullmatch(r"<0x[0-9A-F]{2}>", t) else gguf.TokenType.NORMAL
+
+    types = [kind(i, t) for i, t in enumerate(tokens)]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([-float(i) if k == gguf.TokenType.NORMAL else 0.0 for i, k in enumerate(types)])
+    writer.add_token_types(types)
+    writer.add_unk_token_id(unk)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(False)
+
+
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+_GEMMA_CORPUS = """The quick brown fox jumps over the lazy dog. A paged KV cache stores keys and values in
+fixed-size blocks. Continuous batching admits new requests at every step. def main(): return [x * 2 for x
+in range(10)] Sliding windows, soft caps and norms of one plus w."""
+
+
+def use_gemma_tokenizer(ckpt: Path) -> None:
+    """Replace the checkpoint's tokenizer with a Gemma-style one of the same size: sentencepiece BPE
+    (spaces as "▁", bytes outside the vocabulary as <0xNN> tokens), Gemma's special tokens at
+    its ids (<pad> 0, <eos> 1, <bos> 2, ...), BOS added to each text, Gemma's chat template. The
+    merges are rebuilt from the vocabulary order, as sentencepiece ranks them (what transformers
+    does with a GGUF file, which stores none)."""
+    from tokenizers import Tokenizer, models, normalizers, trainers
+    from transformers import GemmaTokenizer
+    from transformers.tokenization_utils_base import generate_merges
+
+    size = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    bpe = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    bpe.normalizer = normalizers.Replace(" ", "▁")
+    fixed = GEMMA_SPECIALS + [f"<0x{b:02X}>" for b in range(256)]
+    bpe.train_from_iterator([_GEMMA_CORPUS.replace("\n", " ")] * 4,
+                            trainers.BpeTrainer(vocab_size=size, special_tokens=fixed, show_progress=False))
+    vocab = bpe.get_vocab()
+    vocab |= {f"<unused{i}>": len(vocab) + i for i in range(size - len(vocab))}
+    merges = generate_merges(vocab, {t: -i for t, i in vocab.items()})
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        (ckpt / f).unlink(missing_ok=True)
+    tokenizer = GemmaTokenizer(vocab=vocab, merges=merges, add_bos_token=True)
+    tokenizer.add_special_tokens({"additional_special_tokens": GEMMA_SPECIALS[5:]}, replace_extra_special_tokens=False)
+    tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(ckpt))

