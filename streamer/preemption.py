@@ -1,28 +1,52 @@
-"""Which running sequences a more urgent waiting one preempts (the scheduler's priority rule).
+"""Which running sequences more urgent waiting ones preempt (the scheduler's priority rule).
 
-Pure: reads the running sequences and the block manager, changes nothing; the scheduler preempts
-what it returns.
+Pure: reads the waiting heads, the running sequences and the block manager, changes nothing; the
+scheduler preempts what it returns, before the step hands out seats, blocks and tokens.
 """
 
 from __future__ import annotations
 
-from streamer.block_manager import BlockManager
+import enum
+from collections.abc import Iterable
+
+from streamer.block_manager import BlockManager, PrefixHit
 from streamer.request import Sequence
 
 
-def priority_victims(head: Sequence, running: list[Sequence], block_manager: BlockManager, max_num_seqs: int,
-                     max_num_batched_tokens: int) -> list[Sequence]:
-    """The fewest of the least urgent running sequences (the latest admitted first among equals)
-    whose preemption makes room for `head`; none at all when even every candidate would not make
-    room: they would be recomputed for nothing."""
-    candidates = _candidates(head.priority, running)
+class Room(enum.Enum):
+    FITS = 1  # admitted this step as things are
+    SHORT = 2  # short of a seat or of blocks: preempting less urgent work can help
+    WAITS = 3  # waits for the token budget or for a prefix being computed: preempting would not help
+
+
+def priority_victims(heads: Iterable[Sequence], running: list[Sequence], block_manager: BlockManager,
+                     max_num_seqs: int, max_num_batched_tokens: int) -> list[Sequence]:
+    """Running sequences to preempt so that the waiting `heads` (the queue's first, in its order) are
+    admitted this step: for each head in turn, the fewest of the running sequences less urgent than
+    it (the least urgent, the latest admitted first among equals) that make room for it after the
+    share of the running sequences scheduled before the heads and of the heads before it. The walk
+    stops at the first head that nobody less urgent runs for, that even every candidate would not
+    make room for (they would be recomputed for nothing), or that waits for the budget: the heads
+    after it wait too."""
     victims: list[Sequence] = []
-    if not candidates:  # the common case (one priority): no need to weigh room
-        return victims
-    while not _room_for(head, victims, running, block_manager, max_num_seqs, max_num_batched_tokens):
-        if len(victims) == len(candidates):
-            return []
-        victims.append(candidates[len(victims)])
+    ahead: list[tuple[Sequence, PrefixHit]] = []
+    first: list[Sequence] | None = None  # the running sequences scheduled before the heads
+    for head in heads:
+        gone = {v.seq_id for v in victims}
+        candidates = [s for s in _candidates(head.priority, running) if s.seq_id not in gone]
+        if not candidates:  # the common case (one priority): no need to weigh room
+            break
+        if first is None:  # the scheduler defers prompts relative to the queue's head: the walk's first
+            first = [s for s in running if not yields_budget(s, head.priority)]
+        hit = block_manager.find_cached_prefix(head)
+        chosen: list[Sequence] = []
+        while (room := _room_for(head, hit, victims + chosen, ahead, running, first, block_manager, max_num_seqs,
+                                 max_num_batched_tokens)) is Room.SHORT and len(chosen) < len(candidates):
+            chosen.append(candidates[len(chosen)])
+        if room is not Room.FITS:
+            break
+        victims += chosen
+        ahead.append((head, hit))
     return victims
 
 
@@ -35,23 +59,32 @@ def _candidates(priority: int, running: list[Sequence]) -> list[Sequence]:
     return [s for _, _, s in sorted(ranked, key=lambda r: (r[0], r[1]), reverse=True)]
 
 
-def _room_for(head: Sequence, victims: list[Sequence], running: list[Sequence], bm: BlockManager,
-              max_num_seqs: int, max_num_batched_tokens: int) -> bool:
-    """Whether, without `victims`, seats and blocks (not the token budget, which frees itself
-    as prompts finish) let `head` be admitted this step after the running sequences' share.
-    Blocks shared with others count as staying: an estimate that errs towards fewer victims."""
-    if len(running) - len(victims) >= max_num_seqs:
-        return False
+def yields_budget(seq: Sequence, urgent: int) -> bool:
+    """Whether a running sequence takes its share of a step's tokens only after the waiting sequences
+    of priority `urgent` are admitted: it computes a prompt (or recomputes after a preemption) in
+    chunks and is less urgent. A decode always goes first: one token, and it holds its seat anyway."""
+    return seq.priority > urgent and seq.num_tokens - seq.num_computed_tokens > 1
+
+
+def _room_for(head: Sequence, hit: PrefixHit, victims: list[Sequence], ahead: list[tuple[Sequence, PrefixHit]],
+              running: list[Sequence], first: list[Sequence], bm: BlockManager, max_num_seqs: int,
+              max_num_batched_tokens: int) -> Room:
+    """Whether, without `victims`, seats and blocks let `head` be admitted this step after the share of
+    the running sequences scheduled `first` and the heads `ahead` of it (not the token budget, which
+    frees itself as prompts finish). Blocks shared with others count as staying: an estimate that errs
+    towards fewer victims."""
     gone = {v.seq_id for v in victims}
+    if len(running) - len(victims) + len(ahead) >= max_num_seqs:
+        return Room.SHORT
     budget, needed = max_num_batched_tokens, 0
-    for seq in running:  # as the scheduler's running pass will hand out tokens
-        if seq.seq_id not in gone and budget > 0:
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            needed += bm.blocks_needed(seq, num_new) if num_new else 0
+    for seq, seq_hit in [(s, None) for s in first if s.seq_id not in gone] + ahead:  # in the step's order
+        if budget > 0:
+            start = seq.num_computed_tokens if seq_hit is None else seq_hit.num_tokens
+            num_new = min(seq.num_tokens - start, budget)
+            needed += bm.blocks_needed(seq, num_new, seq_hit) if num_new else 0
             budget -= num_new
-    hit = bm.find_cached_prefix(head)
-    if budget <= 0 or hit.pending:  # it waits for the budget or for a prefix, not for room
-        return True
+    if budget <= 0 or hit.pending:
+        return Room.WAITS
     needed += bm.blocks_needed(head, min(head.num_tokens - hit.num_tokens, budget), hit)
     freed = sum(1 for v in victims for b in bm.block_table(v) if bm.blocks[b].ref_count == 1)
-    return needed <= bm.num_free_blocks + freed
+    return Room.FITS if needed <= bm.num_free_blocks + freed else Room.SHORT

@@ -2,15 +2,17 @@
 
 Every sequence has `num_computed_tokens`; each step hands out a token budget so that sequences
 catch up with their tokens. Decodes (1 token) and prefills (many, chunked when the budget is
-short) of different requests share a step. When blocks run out, the most recently admitted
-running sequence is preempted: its blocks are freed and it is recomputed later. A waiting
-sequence of a more urgent priority that finds no seat or no blocks preempts running ones of the
-least urgent priority (never of its own or a more urgent one). The waiting queue orders by
-priority, then by the service the request's session has already had (waiting_queue.py).
+short) of different requests share a step; a prompt less urgent than other work takes its share
+last. When blocks run out, the most recently admitted running sequence is preempted: its blocks
+are freed and it is recomputed later. Waiting sequences more urgent than running ones that find no
+seat or no blocks preempt the least urgent (never of their own or a more urgent priority) and are
+all admitted in that step (preemption.py). The waiting queue orders by priority, then by the
+service the request's session has already had (waiting_queue.py).
 
-One step is `schedule() -> SchedulerOutput`, the model, then `update_from_output(...)`: it
-advances computed tokens, caches full blocks, forks samples, appends the sampled tokens, checks
-the token rules of stopping and finishes sequences. Nothing else moves a sequence.
+One step is `schedule() -> SchedulerOutput`, the model, then `update_from_output(...)`
+(scheduler_update.py): it advances computed tokens, caches full blocks, forks samples, appends the
+sampled tokens, checks the token rules of stopping and finishes sequences, through this class's
+operations. Nothing else moves a sequence.
 """
 
 from __future__ import annotations
@@ -21,16 +23,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from streamer.beam_requests import Beams
-from streamer.beam_search import Selection
 from streamer.block_manager import BlockManager, PrefixHit
+from streamer.draft_room import draft_room
 from streamer.errors import QueueFullError
 from streamer.outputs import PromptProgress
-from streamer.preemption import priority_victims
+from streamer.preemption import priority_victims, yields_budget
 from streamer.request import Request, SeqStatus, Sequence
-from streamer.scheduler_output import PooledResult, ScheduledSeq, SchedulerOutput, SeqUpdate, StepUpdates
+from streamer.scheduler_output import ScheduledSeq, SchedulerOutput, StepUpdates
 from streamer.scheduler_stats import SchedulerStats
-from streamer.spec_decode.rejection_sampler import can_verify
-from streamer.stop_checker import finish_reason_after
+from streamer.scheduler_update import StepUpdater
 from streamer.waiting_queue import AttainedService, WaitingQueue
 
 if TYPE_CHECKING:
@@ -69,6 +70,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.counters = SchedulerStats()
         self._forks: dict[int, list[Sequence]] = {}  # seq_id -> samples forked once its prompt is computed
+        self.updater = StepUpdater(self)
 
     # ---- requests in -------------------------------------------------------------------------
     def check_room(self, num_seqs: int, num_tokens: int) -> None:
@@ -131,9 +133,12 @@ class Scheduler:
         self.waiting.promote_aged()
         self._preempt_for_priority(out)
         num_priority_victims = len(out.preempted)
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if len(out.preempted) == num_priority_victims:  # blocks ran short: admit nobody this step
-            self._schedule_waiting(out, budget)
+        budget, deferred = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if len(out.preempted) == num_priority_victims:  # else blocks ran short: nobody more this step
+            for seq in sorted(deferred, key=lambda s: s.priority):  # stable: admission order among equals
+                budget = self._schedule_waiting(out, budget, seq.priority)
+                budget = self._schedule_chunk(out, seq, budget)
+            budget = self._schedule_waiting(out, budget)
         if not out.scheduled:
             self._park_idle(out, budget)
         for item in out.scheduled:
@@ -145,13 +150,23 @@ class Scheduler:
             self.counters.record_step(out.scheduled)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, list[Sequence]]:
+        """Tokens for the running sequences in admission order, but for prompt chunks less urgent than other
+        work, running or waiting (preemption.yields_budget): returned, to take the budget after the more
+        urgent prompts are admitted (a batch line's prompt never holds an interactive one back)."""
+        heads = [self.waiting.peek()] if len(self.waiting) else []
+        urgent = min((s.priority for s in (*self.running, *heads)), default=0)
         guesses = self._guesses(budget)
+        deferred = []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new == 0 or not self._mask_ready(seq):  # a beam waiting for its siblings, or for its token mask
+                i += 1
+                continue
+            if yields_budget(seq, urgent):
+                deferred.append(seq)
                 i += 1
                 continue
             drafts = guesses.get(seq, [])[:budget - num_new]
@@ -162,7 +177,16 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new + len(drafts), spec_token_ids=drafts))
             budget -= num_new + len(drafts)
             i += 1
-        return budget
+        return budget, deferred
+
+    def _schedule_chunk(self, out: SchedulerOutput, seq: Sequence, budget: int) -> int:
+        """A deferred prompt's chunk, with the budget and blocks the step has left; short of blocks it
+        preempts nobody (it was never the urgent one) and waits for a later step."""
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if num_new <= 0 or not self.block_manager.allocate(seq, num_new):
+            return budget
+        out.scheduled.append(ScheduledSeq(seq, num_new))
+        return budget - num_new
 
     def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
         """Allocate `seq`'s new tokens, preempting the most recently admitted sequences while blocks
@@ -176,24 +200,15 @@ class Scheduler:
         return True
 
     def _guesses(self, budget: int) -> dict[Sequence, list[int]]:
-        """Guessed next tokens of the decoding sequences that may draft (all asked at once: a draft
-        model guesses for all of them in one batch), as many as the budget, the model's length and
-        each request's max_tokens leave room for (a draft past the end would be thrown away)."""
+        """Guessed next tokens of the decoding sequences that may draft (draft_room.py)."""
         if self.proposer is None:
             return {}
-        wanted = {}
-        for seq in self.running:
-            if seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_computed_tokens < seq.num_prompt_tokens \
-                    or seq.seq_id in self._forks or not can_verify(seq):
-                continue
-            max_tokens = seq.params.max_tokens
-            room = min(self.config.num_speculative_tokens, budget - 1, self.config.max_model_len - seq.num_tokens,
-                       max_tokens - seq.num_output_tokens - 1 if max_tokens is not None else budget)
-            if room > 0:
-                wanted[seq] = room
+        wanted = draft_room(self.running, self._forks, budget, self.config)
         return self.proposer.propose_many(wanted) if wanted else {}
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, before: int | None = None) -> int:
+        """Admit waiting sequences (more urgent than `before`), in the queue's order, while seats, blocks
+        and the budget last; returns the budget left."""
         bm = self.block_manager
         held = []  # prompts waiting for a prefix that a running prompt is computing
         # Adapters of the running sequences: a step holds at most max_loras (one device slot each),
@@ -201,6 +216,8 @@ class Scheduler:
         adapters = {s.lora for s in self.running if s.lora is not None}
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek()
+            if before is not None and seq.priority >= before:
+                break
             if seq.lora is not None and seq.lora not in adapters and len(adapters) >= self.config.max_loras:
                 held.append(self.waiting.pop_entry())
                 continue
@@ -227,6 +244,7 @@ class Scheduler:
             budget -= num_new
         for entry in held:
             self.waiting.push_entry(entry)
+        return budget
 
     def _mask_ready(self, seq: Sequence) -> bool:
         """Whether the next-token masks of a constrained sequence, and of the samples to be forked from it
@@ -235,12 +253,13 @@ class Scheduler:
         return all(s.grammar is None or s.grammar.ready for s in (seq, *self._forks.get(seq.seq_id, ())))
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
-        """The waiting head is more urgent than some running sequences and finds no seat or no
-        blocks: preempt what preemption.py picks, before the running ones take this step's blocks."""
+        """Waiting sequences more urgent than some running ones find no seat or no blocks: preempt what
+        preemption.py picks for the queue's first ones, before the running ones take this step's blocks,
+        so that each is admitted this very step."""
         if not len(self.waiting):
             return
         c = self.config
-        for victim in priority_victims(self.waiting.peek(), self.running, self.block_manager, c.max_num_seqs,
+        for victim in priority_victims(self.waiting.in_order(), self.running, self.block_manager, c.max_num_seqs,
                                        c.max_num_batched_tokens):
             self.running.remove(victim)
             self._preempt(victim)
@@ -275,124 +294,14 @@ class Scheduler:
     # ---- after the model ---------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, model_output: tuple[list[Sequence], SamplerOutput | None]
                            ) -> StepUpdates:
-        """Advance the step's sequences by what the model computed and sampled."""
-        drafted: dict[int, int] = {}
-        sampled, result = model_output
-        core = StepUpdates()
-        for item in out.scheduled:
-            if item.seq.pooling is not None:
-                self._pool(item, result, core)
-                continue
-            item.seq.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids)  # drafts: if kept
-            if item.spec_token_ids:
-                drafted[item.seq.seq_id] = len(item.spec_token_ids)
-            self.service.add(item.seq.session, item.num_new_tokens)
-            self.block_manager.cache_full_blocks(item.seq)
-            if self.config.sliding_window:
-                self.block_manager.release_outside_window(item.seq, self.config.sliding_window)
-            for child in item.forks:  # parallel samples start from the computed prompt's blocks
-                self.block_manager.fork(item.seq, child)
-                self._start_running(child, item.seq.num_computed_tokens)
-        beam_requests: dict[str, Request] = {}
-        for i, seq in enumerate(sampled):
-            assert result is not None
-            if seq.params.use_beam_search:
-                self.beams.record(seq, result.beam_logprobs[i])
-                beam_requests[seq.request_id] = self.requests[seq.request_id]
-            elif seq.seq_id in drafted:
-                core.updates += self._append_drafted(seq, result.accepted[i], result.token_ids[i])  # type: ignore[index]
-                self.counters.record_drafts(drafted[seq.seq_id], len(result.accepted[i]))  # type: ignore[index]
-            else:
-                core.updates.append(self._append_token(seq, result.token_ids[i], result.logprobs[i]))
-        for request in beam_requests.values():
-            self._step_beams(request, core)
-        return core
+        """Advance the step's sequences by what the model computed and sampled (scheduler_update.py)."""
+        return self.updater.apply(out, model_output)
 
-    def _pool(self, item: ScheduledSeq, result: SamplerOutput | None, core: StepUpdates) -> None:
-        """An embedding's chunk ran: fold its rows into its pool; after the prompt's last chunk its
-        embedding is done and its blocks are freed at once (prefill only: no KV kept, none cached)."""
-        seq = item.seq
-        assert seq.pooling is not None
-        partial = result.pooled.get(seq.seq_id) if result is not None else None
-        seq.pooling.add(seq.num_computed_tokens, partial, item.num_new_tokens)
-        seq.num_computed_tokens += item.num_new_tokens
-        self.service.add(seq.session, item.num_new_tokens)
-        if seq.num_computed_tokens == seq.num_tokens:
-            core.pooled.append(PooledResult(seq, seq.pooling.result()))
-            self.finish(seq)
-
-    def _start_running(self, seq: Sequence, num_computed_tokens: int) -> None:
+    def start_running(self, seq: Sequence, num_computed_tokens: int) -> None:
         """A sequence forked from a running one joins the running set directly."""
         seq.num_computed_tokens = num_computed_tokens
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
-
-    def _append_drafted(self, seq: Sequence, accepted: list[int], token: int) -> list[SeqUpdate]:
-        """The kept drafts (their K/V already computed by the verification), then the token after
-        them, each through the token rules of stopping: the first that ends the sequence ends it."""
-        updates = []
-        for t in accepted:
-            updates.append(self._append_token(seq, t, None))
-            if seq.is_finished:
-                return updates
-            seq.num_computed_tokens += 1
-        if accepted:
-            self.block_manager.cache_full_blocks(seq)
-        updates.append(self._append_token(seq, token, None))
-        return updates
-
-    def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> SeqUpdate:
-        seq.token_ids.append(token)
-        self.counters.generation_tokens += 1
-        update = SeqUpdate(seq, token, logprobs)
-        reason = finish_reason_after(seq, token, None, self.config.eos_token_ids, self.config.max_model_len)
-        if seq.grammar is not None and seq.grammar.accept(token) and seq.grammar.terminated and reason is None:
-            reason = "stop", None  # the output is complete: its grammar allows nothing more
-        if reason is not None:
-            update.finish_reason, update.stop_reason = reason
-            self.finish(seq)
-        return update
-
-    def _step_beams(self, request: Request, core: StepUpdates) -> None:
-        step = self.beams.advance(request)
-        if step is None:
-            return
-        if step.selection is None:
-            core.beam_results.append(self.beams.result(request))
-            for seq in request.sequences:
-                self.finish(seq)
-            return
-        request.sequences = self._continue_beams(request.sequences, step.selection)
-
-    def _continue_beams(self, beams: list[Sequence], selection: Selection) -> list[Sequence]:
-        """The first continuation of a parent reuses its sequence; further ones fork it (shared
-        KV blocks, copy-on-write). Beams that no continuation extends are finished."""
-        used: set[int] = set()
-        children: list[Sequence] = []
-        for parent_index in selection.parents:
-            parent = beams[parent_index]
-            if parent_index in used:
-                children.append(self._fork_beam(parent))
-            else:
-                used.add(parent_index)
-                children.append(parent)
-        for i, seq in enumerate(beams):
-            if i not in used:
-                self.finish(seq)
-        for index, (child, token) in enumerate(zip(children, selection.tokens)):
-            child.token_ids.append(token)
-            child.index = index
-            if child.status is not SeqStatus.RUNNING:  # parked, or forked from a parked parent
-                self.add(child)
-        return children
-
-    def _fork_beam(self, parent: Sequence) -> Sequence:
-        child = parent.sibling()
-        if parent.status is SeqStatus.RUNNING:
-            self.block_manager.fork(parent, child)
-            self._start_running(child, parent.num_computed_tokens)
-        # else the parent was parked: the child recomputes (the prefix cache shares its blocks)
-        return child
 
     # ---- introspection -----------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:

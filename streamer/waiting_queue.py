@@ -91,6 +91,17 @@ class WaitingQueue:
     def peek(self) -> Sequence:
         return self._heap[0][4]
 
+    def in_order(self) -> Iterator[Sequence]:
+        """The waiting sequences in the order they are admitted, lazily: a caller that stops after a few
+        pays for those few (the heap is copied once it reads past the head)."""
+        if not self._heap:
+            return
+        yield self._heap[0][4]
+        rest = list(self._heap)
+        heapq.heappop(rest)
+        while rest:
+            yield heapq.heappop(rest)[4]
+
     def pop(self) -> Sequence:
         return self.pop_entry()[4]
 
