@@ -28,7 +28,7 @@ from workers.worker.state import Delivery, WorkerState, as_str
 from workers.worker.streams import StreamSet, Taken
 
 log = logging.getLogger("streamer.worker")
-Reader = Callable[[int], Awaitable[list[Taken]]]  # up to this many new entries
+Reader = Callable[[int, int], Awaitable[list[Taken]]]  # up to this many new entries, batch lines up to the second
 
 # Claim a request id for a job entry: the first entry to claim an id owns it (later ones are
 # duplicates). The owner's claim raises the id's fence (ownership epoch), so writes of a worker that
@@ -94,8 +94,8 @@ class Intake:
         shards sit in different slots, one reader per shard, each reading its share of the capacity
         (together they may overshoot by a job each: the engine queues those)."""
         streams = self.names.request_streams
-        if len(streams) == 1:
-            await self._read_loop(self._take_or_wait, self.streams.take, jobs)
+        if len(streams) == 1:  # lanes, the batch lane among them: interactive jobs may take batch lines' seats
+            await self._read_loop(self._take_or_wait, self.streams.take, jobs, urgent=True)
         elif not self.names.cluster:
             await self._read_loop(*self._sharded(streams), jobs)
         else:
@@ -103,16 +103,20 @@ class Intake:
                 for stream in streams:
                     readers.start_soon(self._read_loop, *self._sharded([stream]), jobs, len(streams))
 
-    async def _read_loop(self, first: Reader, more: Reader, jobs: TaskGroup, readers: int = 1) -> None:
-        """Wait for capacity, `first(count)` (blocks until something comes), then, after a partial
-        read, `more(rest)` (does not block), and start what was taken."""
+    async def _read_loop(self, first: Reader, more: Reader, jobs: TaskGroup, readers: int = 1,
+                         urgent: bool = False) -> None:
+        """Wait for capacity, `first(count, batch)` (blocks until something comes), then, after a partial
+        read, `more(rest, batch)` (does not block), and start what was taken. `urgent`: jobs more urgent
+        than batch lines count the seats of the batch lines held here as theirs (the engine preempts
+        those), batch lines only the engine's free room (WorkerState.urgent_capacity)."""
         backoff = Backoff("read", log)
         while True:
-            count = await self.state.wait_capacity()
+            count = await self.state.wait_capacity(urgent)
+            batch = min(count, self.state.capacity())
             if readers > 1:
                 count = max(1, count // readers)
             try:
-                taken = await first(count)
+                taken = await first(count, batch)
                 backoff.reset()
             except ResponseError as e:
                 await self.refused("read", e, backoff)
@@ -125,22 +129,23 @@ class Intake:
                 # together (one prefill batch) instead of one step apart.
                 await anyio.sleep(self.cfg.read_linger_ms / 1000)
                 with contextlib.suppress(*TRANSIENT):
-                    taken += await more(count - len(taken))
+                    taken += await more(count - len(taken), batch - len(taken))
             await self.start_batch(taken, jobs)
 
-    async def _take_or_wait(self, count: int) -> list[Taken]:
-        """In lane and fair-share order (streams.py); all empty: the next job wherever it comes."""
-        return await self.streams.take(count) or await self.streams.wait_any(self.cfg.block_ms)
+    async def _take_or_wait(self, count: int, batch: int) -> list[Taken]:
+        """In lane and fair-share order (streams.py); all empty: the next job wherever it comes (a batch
+        line only if `batch` allows one)."""
+        return await self.streams.take(count, batch) or await self.streams.wait_any(self.cfg.block_ms, batch > 0)
 
     def _sharded(self, streams: list[str]) -> tuple[Reader, Reader]:
         """Readers of sharded streams: one XREADGROUP over them, blocking or not."""
-        async def read(count: int, block_ms: int | None) -> list[Taken]:
+        async def read(count: int, block_ms: int | None) -> list[Taken]:  # no lanes here: `batch` is unused
             reply = await self.redis.xreadgroup(self.names.group, self.cfg.consumer, dict.fromkeys(streams, ">"),
                                                 count=count, block=block_ms)
             return [Taken(as_str(stream), entry_id, fields) for stream, entries in reply or []
                     for entry_id, fields in entries]
 
-        return (lambda count: read(count, self.cfg.block_ms)), (lambda count: read(count, None))
+        return (lambda count, _: read(count, self.cfg.block_ms)), (lambda count, _: read(count, None))
 
     async def refused(self, what: str, error: ResponseError, backoff: Backoff) -> None:
         """Redis answered with an error: a lost group is recreated; anything else (out of memory, a

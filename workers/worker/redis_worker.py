@@ -66,7 +66,7 @@ class Worker:
         self.engine, self.cfg, self.names = engine, config, config.names
         self.redis = async_client(config.redis_url, config.redis_max_connections, config.redis_pool_timeout_s,
                                   cluster=config.names.cluster, socket_connect_timeout=2)
-        self.state = WorkerState(engine.admission_capacity)
+        self.state = WorkerState(engine.admission_capacity, seats=lambda: int(engine.stats().get("max_num_seqs", 0)))
         # Counted whether or not --metrics-port serves them (a few microseconds per job and step).
         self.metrics = m = WorkerMetrics(engine, config.served_model_name or config.model_name, config.consumer)
         self.writer = EventWriter(self.redis, self.names, int(config.events_ttl_s * 1000),

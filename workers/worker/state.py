@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 
 from clients.errors import ProtocolError
+from clients.names import BATCH_PRIORITY
 from clients.protocol import Job
 from clients.resume import ResumeState
 from workers.worker.attempts import PreviousAttempt
@@ -77,8 +78,9 @@ class RunningJob:
 class WorkerState:
     """The jobs one worker holds and the flags its tasks coordinate on."""
 
-    def __init__(self, admission_capacity: Callable[[], int]) -> None:
+    def __init__(self, admission_capacity: Callable[[], int], seats: Callable[[], int] = lambda: 0) -> None:
         self._admission_capacity = admission_capacity
+        self._seats = seats  # the engine's max_num_seqs (0: unknown, no seats beyond `capacity()`)
         self.running: dict[str, RunningJob] = {}  # request id -> job
         # (request stream, entry id) -> request id, until acked: entry ids are unique per stream only
         self.pending_entries: dict[tuple[str, str], str] = {}
@@ -112,8 +114,23 @@ class WorkerState:
         """Jobs we may take now: what the engine can admit, less jobs read and not yet admitted."""
         return max(0, int(self._admission_capacity()) - self.starting)
 
-    async def wait_capacity(self) -> int:
-        while (n := self.capacity()) <= 0:
+    def urgent_capacity(self) -> int:
+        """Jobs more urgent than batch lines we may take now: `capacity()`, and besides it the seats the
+        batch lines held here have in the engine, which preempts them (recomputed later) for more urgent
+        work, within the engine's seats less the urgent jobs held. So batch lines never keep an
+        interactive job waiting in Redis for a seat (docs/scheduling.md)."""
+        capacity = self.capacity()
+        batch = sum(1 for run in self.running.values() if run.job.priority >= BATCH_PRIORITY)
+        if not batch:
+            return capacity
+        # Jobs being admitted count as urgent (a batch line among them twice, until the engine took it):
+        # an estimate that errs towards taking fewer.
+        urgent_held = len(self.running) - batch + self.starting
+        return max(capacity, min(capacity + batch, self._seats() - urgent_held))
+
+    async def wait_capacity(self, urgent: bool = False) -> int:
+        """Until `capacity()` (`urgent_capacity()` with `urgent`) is above 0; returns it."""
+        while (n := self.urgent_capacity() if urgent else self.capacity()) <= 0:
             self._capacity_freed = anyio.Event()
             with anyio.move_on_after(0.05):  # KV blocks also free up without a job finishing here
                 await self._capacity_freed.wait()

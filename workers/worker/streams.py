@@ -20,7 +20,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from clients.names import Names
+from clients.names import BATCH_LANE_RANK, Names
 from clients.streams import StreamInfo, registered_streams
 from workers.worker.lanes import SORT_LUA, default_lane_index, missing_lanes, register_lanes
 
@@ -36,7 +36,8 @@ REFRESH_S = 1.0
 # default lane's sorting cursor (lanes.py), KEYS[5..] = streams in reading order; ARGV[1] = group,
 # ARGV[2] = consumer, ARGV[3] = most entries, ARGV[4] = charge, ARGV[5] = burst, ARGV[6] = how many
 # streams the registry held when the caller read it, ARGV[7] = the default lane's place among the
-# streams (0: none), ARGV[8..] = each stream's lane rank and tenant field, in pairs. Streams of one
+# streams (0: none), ARGV[8] = most entries in all once the batch lane is reached (its lines take only
+# the engine's free room), ARGV[9..] = each stream's lane rank and tenant field, in pairs. Streams of one
 # rank form a lane, read only once every more urgent lane is empty; first, the default lane's unread
 # jobs that belong in a more urgent lane are moved there (lanes.py). Returns false, taking nothing,
 # when the registry changed since (a new lane or tenant: the caller reads it again first); else
@@ -50,8 +51,8 @@ local want, charge, burst = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[
 local n = #KEYS - 4
 local clock = tonumber(redis.call('HGET', svc_key, '~clock') or '0')
 local out, missing = {}, {}
-local function rank(k) return ARGV[6 + 2 * k] end
-local function tenant(k) return ARGV[7 + 2 * k] end
+local function rank(k) return ARGV[7 + 2 * k] end
+local function tenant(k) return ARGV[8 + 2 * k] end
 local default_lane = tonumber(ARGV[7])
 if default_lane > 0 then
   local lanes = {}
@@ -67,13 +68,15 @@ local function served(t)
 end
 local i = 1
 while i <= n and #out < want do
+  local limit = want
+  if tonumber(rank(i)) >= @BATCH_RANK@ then limit = math.min(want, tonumber(ARGV[8])) end
   local lane = {}
   local j = i
   while j <= n and rank(j) == rank(i) do
     lane[#lane + 1] = j
     j = j + 1
   end
-  while #lane > 0 and #out < want do
+  while #lane > 0 and #out < limit do
     local best, best_served = 1, served(tenant(lane[1]))
     for idx = 2, #lane do
       local s = served(tenant(lane[idx]))
@@ -103,7 +106,7 @@ while i <= n and #out < want do
 end
 out[#out + 1] = missing
 return out
-"""
+""".replace("@BATCH_RANK@", str(BATCH_LANE_RANK))
 
 
 @dataclass(frozen=True)
@@ -160,14 +163,16 @@ class StreamSet:
                 await self.redis.xgroup_create(stream, self.names.group, id="0", mkstream=True)
             self._grouped.add(stream)
 
-    async def take(self, count: int) -> list[Taken]:
-        """Up to `count` new entries, in the order described above (one round trip; two when the
-        registry changed since it was read)."""
+    async def take(self, count: int, batch: int | None = None) -> list[Taken]:
+        """Up to `count` new entries, in the order described above, batch lines only while fewer than
+        `batch` (None: `count`) were taken (one round trip; two when the registry changed since it was
+        read)."""
         await self.refresh()
-        reply = await self._take_once(count)
+        batch = count if batch is None else batch
+        reply = await self._take_once(count, batch)
         if reply is None:
             await self.refresh(force=True)
-            reply = await self._take_once(count)
+            reply = await self._take_once(count, batch)
         if reply is None:  # changing as we look: the next take reads it again
             return []
         *entries, missing = reply
@@ -177,19 +182,21 @@ class StreamSet:
         return [Taken(_text(stream), entry_id, _pairs(fields), _text(tenant), float(charged))
                 for stream, entry_id, fields, tenant, charged in entries]
 
-    async def _take_once(self, count: int) -> list[Any] | None:
+    async def _take_once(self, count: int, batch: int) -> list[Any] | None:
         infos = self.ordered
         args: list[Any] = [self.names.group, self.consumer, count, CHARGE_TOKENS, BURST_TOKENS, self.registered,
-                           default_lane_index(self.names, infos)]
+                           default_lane_index(self.names, infos), batch]
         for info in infos:
             args += [info.rank, info.tenant or NO_TENANT]
         keys = [self.names.service, self.names.tenants, self.names.streams, self.names.lane_cursor,
                 *(i.stream for i in infos)]
         return await self._take(keys=keys, args=args)
 
-    async def wait_any(self, block_ms: int) -> list[Taken]:
-        """Block until some stream has an entry; take one (not charged: correct at its end)."""
-        reply = await self.redis.xreadgroup(self.names.group, self.consumer, dict.fromkeys(self.names_read, ">"),
+    async def wait_any(self, block_ms: int, batch: bool = True) -> list[Taken]:
+        """Block until some stream (a batch lane only with `batch`) has an entry; take one (not charged:
+        correct at its end)."""
+        streams = [i.stream for i in self.ordered if batch or i.rank < BATCH_LANE_RANK]
+        reply = await self.redis.xreadgroup(self.names.group, self.consumer, dict.fromkeys(streams, ">"),
                                             count=1, block=block_ms)
         tenants = {i.stream: i.tenant or NO_TENANT for i in self.ordered}
         return [Taken(_text(stream), entry_id, fields, tenants.get(_text(stream), NO_TENANT))
