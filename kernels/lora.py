@@ -3,14 +3,17 @@ base-model rows in one call. Each adapter lives in a slot of stacked weights: `a
 down-projection `[R, in]`, `b[slot]` its up-projection `[out, R]` with the scaling folded in
 (zero-padded past the adapter's own rank). A row's slot -1 means the base model: no delta.
 
-`lora_delta_ref` defines the result; `lora_add_segmented` is the CPU path the engine runs (and
-what the Triton kernel in lora_triton.py is checked against with it)."""
+`lora_delta_ref` defines the result. On the CPU the engine runs `lora_add_cpu`: the compiled kernel
+(csrc/lora_cpu.cpp, one call per module for every run of rows), or `lora_add_segmented`, the same
+products as torch ops, where the kernels cannot be built. The Triton kernel (lora_triton.py) is
+checked against the definition too."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from streamer_kernels.cpu_extension import load as cpu_kernels
 
 
 def lora_delta_ref(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -31,6 +34,10 @@ class Segments:
     step and shared by every layer."""
 
     runs: list[tuple[int, int, int]]
+    table: torch.Tensor = field(init=False, repr=False)  # the runs as int64 [n, 3], what the kernel reads
+
+    def __post_init__(self) -> None:
+        self.table = torch.tensor(self.runs, dtype=torch.int64).reshape(-1, 3)
 
     @classmethod
     def from_slots(cls, slots: torch.Tensor) -> Segments:
@@ -65,3 +72,19 @@ def lora_add_segmented(x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b_t:
         else:
             rows.add_(torch.mm(torch.mm(xf[start:end], a_t[slot]), b_t[slot]))
     return y
+
+
+def lora_add_cpu(x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor, seg: Segments,
+                 spans: torch.Tensor, part_cols: torch.Tensor) -> torch.Tensor:
+    """As `lora_add_segmented`, in one compiled call for all the runs (csrc/lora_cpu.cpp) where the
+    CPU kernels are built and x, y are float32 or bfloat16. `spans [S, P, 2]` (int64): the rank
+    columns `[lo, hi)` that part p of a slot reads, `part_cols [P + 1]`: the output columns each part
+    writes; `b_t` must be zero outside those blocks (the stacks keep it so), which lets the kernel
+    leave them out. The kernel's sums are float32, added into `y` and rounded once."""
+    if seg.empty:
+        return y
+    if (x.dtype == y.dtype and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2
+            and x.stride(1) == 1 and y.stride(1) == 1 and cpu_kernels()):
+        cpu_kernels().lora_add_runs(x, y, a_t, b_t, seg.table, spans, part_cols)
+        return y
+    return lora_add_segmented(x, y, a_t, b_t, seg)

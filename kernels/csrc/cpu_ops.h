@@ -51,3 +51,10 @@ torch::Tensor nucleus_weights_rows(torch::Tensor logits, torch::Tensor temperatu
 // `packed` in pack_int8_weight's layout, `scale` float32 [out_features]
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, std::optional<torch::Tensor> bias,
                           int64_t out_features);
+// kernels/lora.py: lora_delta_ref, added into y in place (float32 sums, rounded once into y's
+// dtype): y[start:end] += x[start:end] a_t[slot] b_t[slot] for each row of `runs` [n, 3] int64
+// (slot, start, end). x, y float32 or bfloat16 alike; a_t [S, in, K], b_t [S, K, out] float32. Part
+// p of slot s reads the rank columns spans[s][p] = [lo, hi) ([S, P, 2] int64) and writes the output
+// columns [part_cols[p], part_cols[p + 1]); b_t must be zero outside those blocks
+void lora_add_runs(torch::Tensor x, torch::Tensor y, torch::Tensor a_t, torch::Tensor b_t, torch::Tensor runs,
+                   torch::Tensor spans, torch::Tensor part_cols);

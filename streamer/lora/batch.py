@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from streamer_kernels.lora import Segments, lora_add_segmented
+from streamer_kernels.lora import Segments, lora_add_cpu
 
 
 class LoRABatch:
@@ -28,7 +28,10 @@ class LoRABatch:
         self.active = False
         self._by_rows = {}
 
-    def apply(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, spans: torch.Tensor,
+              part_cols: torch.Tensor) -> torch.Tensor:
+        """`y` plus the adapters' products for `x`'s rows; `spans`, `part_cols` (the CPU kernel's
+        hints, kernels/lora.py: lora_add_cpu) are unused on the GPU."""
         if not self.active:
             return y
         slots, segments = self._by_rows[x.shape[0]]
@@ -36,6 +39,4 @@ class LoRABatch:
             from streamer_kernels.lora_triton import lora_add
 
             return lora_add(x.reshape(-1, x.shape[-1]), y, slots, a, b)
-        # (Running these tiny products on one thread, torch.set_num_threads around them, measured
-        # faster alone but made whole steps ~2.7 s: changing the thread count rebuilds thread pools.)
-        return lora_add_segmented(x, y, a, b, segments)
+        return lora_add_cpu(x, y, a, b, segments, spans, part_cols)

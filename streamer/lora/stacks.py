@@ -5,6 +5,7 @@ worker that never serves one runs its layers exactly as without LoRA."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,10 @@ class LoRAStack:
         else:
             self.a = torch.zeros(num_slots, parts * rank, self.in_features, dtype=dtype, device=device)
             self.b = torch.zeros(num_slots, out, parts * rank, dtype=dtype, device=device)
+        # For the CPU kernel (kernels/lora.py: lora_add_cpu): the rank columns [lo, hi) each part of
+        # a slot reads (empty where the adapter leaves the part out), and each part's output columns.
+        self.spans = torch.zeros(num_slots, parts, 2, dtype=torch.int64)
+        self.part_cols = torch.tensor([0, *itertools.accumulate(self.sizes)], dtype=torch.int64)
         self.batch = batch
         self.handle = module.register_forward_hook(self._hook)
 
@@ -76,11 +81,14 @@ class LoRAStack:
         """Write one adapter's parts of this module into `slot` (zeros where it has none)."""
         self.a[slot].zero_()
         self.b[slot].zero_()
+        self.spans[slot].zero_()
         starts = [sum(self.sizes[:p]) for p in range(len(self.sizes))]
         for part, (a, b) in parts.items():
             block = max(part, 0) * self.rank
             r = a.shape[0]
             rows = slice(None) if part < 0 else slice(starts[part], starts[part] + self.sizes[part])
+            # (an adapter of the fused module as a whole: every part reads the same columns)
+            self.spans[slot, slice(None) if part < 0 else part] = torch.tensor([block, block + r])
             if self.cpu:
                 self.a[slot, :, block:block + r] = a.T.to(self.a.dtype)
                 self.b[slot, block:block + r, rows] = b.T.to(self.b.dtype)
@@ -89,4 +97,4 @@ class LoRAStack:
                 self.b[slot, rows, block:block + r] = b.to(self.b.dtype)
 
     def _hook(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-        return self.batch.apply(args[0], output, self.a, self.b)
+        return self.batch.apply(args[0], output, self.a, self.b, self.spans, self.part_cols)
