@@ -240,8 +240,11 @@ def is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
-    """Check a decoded request map against schema version 1."""
+def parse_job(obj: Any, encoding: str, limits: Limits = Limits(), *, tools_parsed: bool = False) -> Job:
+    """Check a decoded request map against schema version 1. `tools_parsed`: the caller built `tools`
+    and `tool_choice` from what it parsed itself (the gateway's OpenAI parser, which answers in OpenAI's
+    errors), so they are taken as they are; whatever reads a job from a client or from Redis leaves it
+    off."""
     if not isinstance(obj, dict):
         raise ProtocolError("invalid_request", f"a request must be a map, not {type(obj).__name__}")
     raw_id = obj.get("id")
@@ -290,13 +293,14 @@ def parse_job(obj: Any, encoding: str, limits: Limits = Limits()) -> Job:
     if obj.get("tools") is not None:
         if "messages" not in obj:
             raise bad("`tools` needs `messages` (they are rendered by the chat template)")
-        job.tools = parse_tools(obj["tools"], bad)
+        job.tools = obj["tools"] if tools_parsed else parse_tools(obj["tools"], bad)
     params = obj.get("params", {})
     if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
         raise bad("`params` must be a map from field name to value", "invalid_params")
     job.params = params
     if obj.get("tool_choice") is not None:
-        job.tool_choice = parse_tool_choice(obj["tool_choice"], job.tools, params, bad)
+        job.tool_choice = (obj["tool_choice"] if tools_parsed
+                           else parse_tool_choice(obj["tool_choice"], job.tools, params, bad))
     if "priority" in obj:
         if not is_int(obj["priority"]) or abs(obj["priority"]) > 2**31:
             raise bad("`priority` must be an integer from -2**31 to 2**31")

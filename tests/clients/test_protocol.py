@@ -326,6 +326,24 @@ def test_tool_choice_is_kept_as_given(choice):
                                       "params": params})).params == params
 
 
+def test_tools_the_gateway_parsed_are_taken_as_they_are_and_nothing_else_is():
+    """The OpenAI parser checks `tools` and `tool_choice` with OpenAI's errors and builds them into the
+    job: the gateway's check of that job (`tools_parsed`) does not parse them again. Whatever reads a
+    job from a client or from Redis (decode_job: the worker) checks them, and every other field."""
+    job = {"v": 1, "id": "x", "messages": CHAT, "tools": [{"type": "fn"}], "tool_choice": "always"}
+    with pytest.raises(ProtocolError, match="each tool must be"):
+        decode_job(job_fields(job))
+    parsed = parse_job(job, "json", tools_parsed=True)
+    assert (parsed.tools, parsed.tool_choice) == (job["tools"], "always")
+    with pytest.raises(ProtocolError, match="`tools` needs `messages`"):
+        parse_job({**{k: v for k, v in job.items() if k != "messages"}, "prompt": "x"}, "json", tools_parsed=True)
+    with pytest.raises(ProtocolError, match="nested deeper"):  # the schemas' depth bound still holds
+        deep: dict = {}
+        for _ in range(70):
+            deep = {"a": deep}
+        parse_job({**job, "tools": [deep]}, "json", tools_parsed=True)
+
+
 @pytest.mark.parametrize("encoding", ["json", "msgpack"])
 def test_accepted_values_at_their_limits(encoding):
     job = decode_job(job_fields({"v": 1, "id": "x", "prompt_token_ids": [0, 5], "priority": -(2**31),

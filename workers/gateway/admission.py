@@ -21,11 +21,14 @@ from streamer.sampling_params import SamplingParams
 MAX_TOKENS_LIMIT = 2**31 - 1
 
 
-def check_job(job: dict[str, Any], limits: Limits, prompt_limit: int, max_model_len: int = 0) -> Job:
-    """The worker's own checks, then the prompt's length (`prompt_limit` tokens; 0: unknown) and the
-    job's size as the worker will read it; with `max_model_len` (the OpenAI API, as vLLM's), a
-    `max_tokens` the context cannot hold beside the prompt. Raises ProtocolError naming the request."""
-    parsed = parse_job(job, "json", limits)
+def check_job(job: dict[str, Any], limits: Limits, prompt_limit: int, max_model_len: int = 0, *,
+              tools_parsed: bool = False) -> Job:
+    """The worker's own checks (all but those of `tools` and `tool_choice` when `tools_parsed`: the
+    OpenAI parser built them; see parse_job), then the prompt's length (`prompt_limit` tokens; 0:
+    unknown) and the job's size as the worker will read it; with `max_model_len` (the OpenAI API, as
+    vLLM's), a `max_tokens` the context cannot hold beside the prompt. Raises ProtocolError naming the
+    request."""
+    parsed = parse_job(job, "json", limits, tools_parsed=tools_parsed)
     max_tokens = (job.get("params") or {}).get("max_tokens") if isinstance(job.get("params"), dict) else None
     if isinstance(max_tokens, int) and max_tokens > MAX_TOKENS_LIMIT:
         raise ProtocolError("invalid_params", f"`max_tokens` {max_tokens} is past the most any job may ask for "

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clients.protocol import TENANT_RE, is_number
+from clients.protocol import TENANT_RE, is_int, is_number
 from workers.errors import UserError
 
 _TOP_FIELDS = {"tenants", "keys"}
@@ -131,7 +131,7 @@ def _tenant(name: Any, spec: Any, where: str) -> TenantLimits:
     if not is_number(share) or not math.isfinite(share) or share <= 0:
         raise UserError(f"{at}.share must be a positive number, got {share!r}")
     min_priority = spec.get("min_priority", 0)
-    if not isinstance(min_priority, int) or isinstance(min_priority, bool) or not -2**31 <= min_priority <= 2**31:
+    if not is_int(min_priority) or not -2**31 <= min_priority <= 2**31:
         raise UserError(f"{at}.min_priority must be a whole number from -2147483648 to 2147483648, got "
                         f"{min_priority!r}")
     return TenantLimits(float(share), _count(spec, "max_concurrent", at), _count(spec, "tokens_per_minute", at),
@@ -140,7 +140,7 @@ def _tenant(name: Any, spec: Any, where: str) -> TenantLimits:
 
 def _count(spec: dict[str, Any], name: str, at: str) -> int:
     value = spec.get(name, 0)
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**53:
+    if not is_int(value) or not 0 <= value < 2**53:
         raise UserError(f"{at}.{name} must be a whole number, 0 or more (0: no bound), got {value!r}")
     return value
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from clients.errors import ProtocolError
+from clients.protocol import is_int
 from workers.gateway.hub import Hub
 from workers.gateway.tenants import may_access
 from workers.gateway.watch import FINAL_TYPES
@@ -44,5 +45,5 @@ async def begin_resume(hub: Hub, keep: Callable[[str], None], caller: str, rid: 
     await hub.announce_resume(rid)
     last = await hub.last_event(rid)
     last_seq = last.get("seq") if last is not None else None
-    last_seq = last_seq if isinstance(last_seq, int) and not isinstance(last_seq, bool) else -1
+    last_seq = last_seq if is_int(last_seq) else -1
     return ResumePoint(rid, last_seq, last is not None and last.get("type") in FINAL_TYPES)

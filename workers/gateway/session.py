@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from clients.backoff import TRANSIENT
 from clients.errors import ProtocolError
 from clients.progress import JobStatus, Placement
-from clients.protocol import VERSION, Limits, readable_id
+from clients.protocol import VERSION, Limits, is_int, readable_id
 from workers.gateway import frames
 from workers.gateway.admission import check_job
 from workers.gateway.config import GatewayConfig
@@ -238,7 +238,7 @@ class Session:
     async def _resume(self, obj: dict[str, Any]) -> None:
         rid = job_id(self.tenant, frames.request_id(obj))
         after = obj.get("after_seq", -1)
-        if not isinstance(after, int) or isinstance(after, bool) or not -1 <= after <= frames.MAX_SEQ:
+        if not is_int(after) or not -1 <= after <= frames.MAX_SEQ:
             raise ProtocolError("invalid_request", "`after_seq` must be an integer >= -1 (the last seq "
                                 "received; -1 replays from the start)", rid)
         self._check_room(rid)

@@ -13,7 +13,7 @@ import base64
 import struct
 from typing import Any
 
-from clients.protocol import POOLINGS
+from clients.protocol import POOLINGS, is_int
 from workers.gateway.openai.request import OpenAIRequest, bad, check_fields
 from workers.gateway.openai.response import Assembler, StreamMeta, worker_error
 
@@ -30,7 +30,7 @@ def parse_embeddings(body: Any) -> OpenAIRequest:
     options: dict[str, Any] = {}
     dimensions = body.get("dimensions")
     if dimensions is not None:
-        if isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1:
+        if not is_int(dimensions) or dimensions < 1:
             raise bad("`dimensions` must be a positive integer", "dimensions")
         options["dimensions"] = dimensions  # the worker refuses it unless its model is a matryoshka model
     if body.get("normalize") is not None:
@@ -81,7 +81,7 @@ def _inputs(value: Any) -> list[dict[str, Any]]:
 
 
 def _is_token(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value) and value >= 0
 
 
 class EmbeddingAssembler:

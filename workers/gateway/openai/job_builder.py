@@ -41,7 +41,8 @@ def build_jobs(gw: GatewayServices, req: OpenAIRequest, request_id: str, tenant:
             job["lora"] = lora
         tag(job, tenant, session)
         try:
-            check_job(job, gw.limits, limit, gw.workers_max_model_len)
+            # Its tools and tool_choice are request.py's, parsed from the body with OpenAI's errors.
+            check_job(job, gw.limits, limit, gw.workers_max_model_len, tools_parsed=True)
         except ProtocolError as e:
             raise from_protocol(e) from e
         jobs.append(job)
