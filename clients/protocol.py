@@ -17,7 +17,9 @@ import msgpack
 
 from clients.chat_messages import SPEC_MAX_DEPTH, parse_messages, parse_tool_choice, parse_tools, split_schemas
 from clients.errors import ProtocolError
+from clients.job_tasks import parse_task
 from clients.names import Names  # noqa: F401  (re-exported: the protocol's names)
+from clients.numbers import is_int
 
 VERSION = 1
 ENCODINGS = ("json", "msgpack")
@@ -25,17 +27,6 @@ JOB_FIELDS = frozenset(
     {"v", "id", "prompt", "prompt_token_ids", "messages", "tools", "tool_choice", "params", "priority", "deadline",
      "tenant", "session", "lora", "traceparent", "task", "options"}
 )
-# What a job asks of a worker: text generated (the default), its prompt's tokens counted or decoded
-# (vLLM's /tokenize and /detokenize) or its prompt's embedding (/v1/embeddings), answered with one `done`
-# event holding a `result`.
-TASKS = ("generate", "tokenize", "detokenize", "embed")
-POOLINGS = ("last", "mean")
-# Each task's options and what each takes: bool, a positive int, or one of a tuple of strings.
-TASK_OPTIONS: dict[str, dict[str, Any]] = {
-    "generate": {}, "detokenize": {},
-    "tokenize": dict.fromkeys(("add_special_tokens", "add_generation_prompt", "continue_final_message",
-                               "return_token_strs"), bool),
-    "embed": {"pooling": POOLINGS, "normalize": bool, "dimensions": int}}
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
 # https://www.w3.org/TR/trace-context/#traceparent-header (version 00, lower-case hex).
 TRACEPARENT_RE = re.compile(r"^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
@@ -74,8 +65,8 @@ class Job:
     session: str = ""  # calls of one conversation or agent ("": none): affinity and attained service
     lora: str = ""  # the registered LoRA adapter it runs under ("": the base model)
     traceparent: str = ""  # W3C trace context of the span that submitted it ("": not traced)
-    task: str = "generate"  # one of TASKS
-    options: dict[str, Any] = field(default_factory=dict)  # the task's options (TASK_OPTIONS)
+    task: str = "generate"  # one of job_tasks.TASKS
+    options: dict[str, Any] = field(default_factory=dict)  # the task's options (job_tasks.TASK_OPTIONS)
 
 
 def event_stream_id(seq: int) -> str:
@@ -230,16 +221,6 @@ def decode_payload(encoding: str, raw: bytes, limits: Limits = Limits(), *, chec
     return obj
 
 
-def is_int(v: Any) -> bool:
-    """An integer as JSON and msgpack carry it (not a bool, which Python counts as one). The engine
-    keeps its own copy (streamer/sampling_params.py): it imports nothing of the wire contract."""
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def parse_job(obj: Any, encoding: str, limits: Limits = Limits(), *, tools_parsed: bool = False) -> Job:
     """Check a decoded request map against schema version 1. `tools_parsed`: the caller built `tools`
     and `tool_choice` from what it parsed itself (the gateway's OpenAI parser, which answers in OpenAI's
@@ -325,39 +306,8 @@ def parse_job(obj: Any, encoding: str, limits: Limits = Limits(), *, tools_parse
         if not isinstance(obj["traceparent"], str) or not TRACEPARENT_RE.match(obj["traceparent"]):
             raise bad("`traceparent` must be a W3C trace context: 00-<32 hex>-<16 hex>-<2 hex>")
         job.traceparent = obj["traceparent"]
-    _parse_task(obj, job, bad)
+    job.task, job.options = parse_task(obj, given[0], bad)
     return job
-
-
-def _parse_task(obj: dict[str, Any], job: Job, bad: Any) -> None:
-    task = obj.get("task", "generate")
-    if task not in TASKS:
-        raise bad(f"`task` must be one of {list(TASKS)}")
-    options = obj.get("options") or {}
-    if not isinstance(options, dict):
-        raise bad("`options` must be a map from option name to value")
-    allowed = TASK_OPTIONS[task]
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise bad(f"unknown option(s) {unknown} for task {task!r}; allowed: {sorted(allowed)}")
-    for name, value in options.items():
-        _check_option(name, value, allowed[name], bad)
-    if task == "tokenize" and job.prompt_token_ids is not None:
-        raise bad("a tokenize job takes `prompt` or `messages`")
-    if task == "detokenize" and job.prompt_token_ids is None:
-        raise bad("a detokenize job takes `prompt_token_ids`")
-    if task == "embed" and job.messages is not None:
-        raise bad("an embed job takes `prompt` or `prompt_token_ids`")
-    job.task, job.options = task, options
-
-
-def _check_option(name: str, value: Any, kind: Any, bad: Any) -> None:
-    if kind is bool and not isinstance(value, bool):
-        raise bad(f"option `{name}` must be a boolean")
-    if kind is int and (not is_int(value) or value < 1):
-        raise bad(f"option `{name}` must be a positive integer")
-    if isinstance(kind, tuple) and value not in kind:
-        raise bad(f"option `{name}` must be one of {list(kind)}")
 
 
 def decode_job(fields: dict[Any, Any], limits: Limits = Limits()) -> Job:

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clients.protocol import TENANT_RE, is_int, is_number
+from clients.numbers import is_int, is_number
+from clients.protocol import TENANT_RE
 from workers.errors import UserError
 
 _TOP_FIELDS = {"tenants", "keys"}

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from clients.errors import ProtocolError
-from clients.protocol import is_int
+from clients.numbers import is_int
 from workers.gateway.hub import Hub
 from workers.gateway.tenants import may_access
 from workers.gateway.watch import FINAL_TYPES

@@ -23,8 +23,9 @@ from typing import Any, Protocol
 
 from clients.backoff import TRANSIENT
 from clients.errors import ProtocolError
+from clients.numbers import is_int
 from clients.progress import JobStatus, Placement
-from clients.protocol import VERSION, Limits, is_int, readable_id
+from clients.protocol import VERSION, Limits, readable_id
 from workers.gateway import frames
 from workers.gateway.admission import check_job
 from workers.gateway.config import GatewayConfig

@@ -13,7 +13,8 @@ import base64
 import struct
 from typing import Any
 
-from clients.protocol import POOLINGS, is_int
+from clients.job_tasks import POOLINGS
+from clients.numbers import is_int
 from workers.gateway.openai.request import OpenAIRequest, bad, check_fields
 from workers.gateway.openai.response import Assembler, StreamMeta, worker_error
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clients.chat_messages import parse_tool_choice, parse_tools
-from clients.protocol import is_int, is_number
+from clients.numbers import is_int, is_number
 from workers.gateway.admission import MAX_TOKENS_LIMIT
 
 MAX_PROMPTS = 64  # prompts in one completions request (each is a job)

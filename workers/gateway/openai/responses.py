@@ -14,14 +14,15 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from clients.errors import ProtocolError
+from workers.gateway.openai.answers import first_of, sse_response
 from workers.gateway.openai.job_builder import build_jobs
 from workers.gateway.openai.jobs import SHUTDOWN, GatewayServices, JobStream
 from workers.gateway.openai.request import OpenAIError, bad
@@ -48,9 +49,6 @@ class Api(Protocol):
     async def _submit(self, meta: StreamMeta, jobs: list[dict[str, Any]], tenant: str = "") -> JobStream: ...
 
 
-FirstOf = Callable[[Request, Any, Any], Awaitable[str]]  # routes._first_of
-
-
 def _frame(event: dict[str, Any]) -> str:
     return f"event: {event['type']}\ndata: {_ENCODER.encode(event)}\n\n"
 
@@ -60,9 +58,8 @@ def not_found(response_id: str, param: str = "response_id") -> OpenAIError:
 
 
 class ResponseRoutes:
-    def __init__(self, gw: GatewayServices, api: Api, first_of: FirstOf,
-                 rate_limit_error: Callable[[RateLimited], OpenAIError]) -> None:
-        self.gw, self.api, self.first_of, self.rate_limit_error = gw, api, first_of, rate_limit_error
+    def __init__(self, gw: GatewayServices, api: Api, rate_limit_error: Callable[[RateLimited], OpenAIError]) -> None:
+        self.gw, self.api, self.rate_limit_error = gw, api, rate_limit_error
         self.store = ResponseStore(gw.hub)
         self.sweeper = ResponseSweeper(self.store)  # server.py runs it
 
@@ -143,7 +140,7 @@ class ResponseRoutes:
                     error = worker_error(event)
 
         try:
-            outcome = await self.first_of(request, collect(), self.gw.draining)
+            outcome = await first_of(request, collect(), self.gw.draining)
             if outcome == "disconnected":
                 return Response(status_code=499)  # nobody is listening; the job is cancelled below
             if outcome == "draining":
@@ -163,37 +160,27 @@ class ResponseRoutes:
     def _sse(self, stream: JobStream, events: ResponseEvents, after: int,
              stored: StoredResponse | None) -> Response:
         """The events numbered after `after`; a background response's job goes on if the client leaves."""
-        async def body() -> AsyncIterator[str]:
-            open_streams = self.gw.metrics.open_connections("sse")
-            open_streams.inc()
-            self.gw.sse_streams.add(stream)
-            if self.gw.draining.is_set():
-                stream.end_now()
-            try:
-                for event in events.opening():
+        async def frames() -> AsyncIterator[str]:
+            for event in events.opening():
+                if event["sequence_number"] > after:
+                    yield _frame(event)
+            async for _job, job_event in stream.relayed():
+                if job_event is SHUTDOWN:  # resume it through a gateway that is up
+                    yield _frame({"type": "error", "code": "shutting_down", "param": None,
+                                  "message": "the gateway is shutting down: the response goes on; resume it "
+                                             "(GET /v1/responses/ID?stream=true&starting_after=N) elsewhere",
+                                  "sequence_number": max(after, events.next_seq - 1)})
+                    return
+                for event in events.on_event(job_event):
                     if event["sequence_number"] > after:
                         yield _frame(event)
-                async for _job, job_event in stream.relayed():
-                    if job_event is SHUTDOWN:  # resume it through a gateway that is up
-                        yield _frame({"type": "error", "code": "shutting_down", "param": None,
-                                      "message": "the gateway is shutting down: the response goes on; resume it "
-                                                 "(GET /v1/responses/ID?stream=true&starting_after=N) elsewhere",
-                                      "sequence_number": max(after, events.next_seq - 1)})
-                        return
-                    for event in events.on_event(job_event):
-                        if event["sequence_number"] > after:
-                            yield _frame(event)
-                    if events.finished:
-                        break
-                if stored is not None and events.finished:
-                    await self.store.finish(stored, events.snapshot())
-            finally:  # finished, or the client went away (Starlette cancels the body on disconnect)
-                open_streams.dec()
-                self.gw.sse_streams.discard(stream)
-                stream.close(cancel=not events.fixed.get("background"))
+                if events.finished:
+                    break
+            if stored is not None and events.finished:
+                await self.store.finish(stored, events.snapshot())
 
-        headers = {"X-Request-Id": str(events.fixed["id"]), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+        return sse_response(self.gw, stream, frames(), str(events.fixed["id"]),
+                            cancel=not events.fixed.get("background"))
 
     # --- retrieve, resume, cancel, delete ------------------------------------------------------------
 

@@ -14,11 +14,10 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from clients.backoff import TRANSIENT
@@ -26,19 +25,19 @@ from clients.errors import ProtocolError
 from clients.loras import list_all as list_loras
 from clients.loras import lookup as lookup_lora
 from clients.protocol import ID_RE, MAX_SESSION_CHARS, TRACEPARENT_RE
+from workers.gateway.openai.answers import Answers
 from workers.gateway.openai.batches import BatchRoutes
-from workers.gateway.openai.embeddings import assembler_for, parse_embeddings
+from workers.gateway.openai.embeddings import parse_embeddings
 from workers.gateway.openai.file_store import RedisFileStore
 from workers.gateway.openai.files import FileRoutes
 from workers.gateway.openai.job_builder import build_jobs, from_protocol
 from workers.gateway.openai.jobs import GatewayServices, JobStream
 from workers.gateway.openai.lora_models import adapter_models, split_model
 from workers.gateway.openai.request import OpenAIError, OpenAIRequest, bad, parse_chat, parse_completion
-from workers.gateway.openai.response import Assembler, StreamMeta
+from workers.gateway.openai.response import StreamMeta
 from workers.gateway.openai.responses import ResponseRoutes
-from workers.gateway.openai.stream import Position, sse_events, wants_resumable
+from workers.gateway.openai.stream import Position, wants_resumable
 from workers.gateway.openai.tokenize import TokenizeRoutes
-from workers.gateway.resume import begin_resume
 from workers.gateway.routes import key_ok, request_token
 from workers.gateway.submit import submit_jobs
 from workers.gateway.tenants import RateLimited, job_id
@@ -73,14 +72,15 @@ class OpenAIRoutes:
         self.files = FileRoutes(gateway, RedisFileStore(gateway.hub.redis, gateway.hub.names))
         self.batches = BatchRoutes(gateway, self.files, self._check_model)
         self.tokens = TokenizeRoutes(gateway, self._check_model, self._json_body)  # /tokenize, /detokenize
-        self.responses = ResponseRoutes(gateway, self, _first_of, rate_limit_error)  # /v1/responses
+        self.answers = Answers(gateway)  # SSE or whole, and their resume
+        self.responses = ResponseRoutes(gateway, self, rate_limit_error)  # /v1/responses
 
     def routes(self) -> list[Route]:
         return [Route("/v1/models", self._guard(self.models), methods=["GET"]),
                 Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
                 Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
                 Route("/v1/embeddings", self._guard(self.embeddings), methods=["POST"]),
-                Route("/v1/streams/{request_id:path}", self._guard(self.resume), methods=["GET"]),
+                Route("/v1/streams/{request_id:path}", self._guard(self.answers.resume), methods=["GET"]),
                 *self.files.routes(self._guard), *self.batches.routes(self._guard),
                 *self.tokens.routes(self._guard), *self.responses.routes(self._guard)]
 
@@ -159,7 +159,7 @@ class OpenAIRoutes:
         last_event_id = request.headers.get("last-event-id")
         if last_event_id:  # a reconnecting SSE client: the same stream, not a new job
             rid, _, after = last_event_id.rpartition(":")
-            return await self._resume(request, rid, after)
+            return await self.answers.resume_at(request, rid, after)
         body = await self._json_body(request)
         req = parse(body)
         lora = await self._check_model(req.model)
@@ -177,9 +177,9 @@ class OpenAIRoutes:
         except RateLimited as e:
             raise rate_limit_error(e) from e
         if req.stream:
-            resumable = wants_resumable(request.headers)
-            return self._sse(request, meta, stream, Position.start(), fresh=True, resumable=resumable)
-        return await self._whole(request, meta, stream)
+            return self.answers.sse(meta, stream, Position.start(), fresh=True,
+                                    resumable=wants_resumable(request.headers))
+        return await self.answers.whole(request, meta, stream)
 
     async def _json_body(self, request: Request) -> Any:
         limit = self.gw.config.max_frame_bytes
@@ -241,87 +241,6 @@ class OpenAIRoutes:
                               "duplicate_id") from e
         return stream
 
-    # --- answers -----------------------------------------------------------------------------------
-
-    def _sse(self, request: Request, meta: StreamMeta, stream: JobStream, after: Position, fresh: bool,
-             resumable: bool) -> Response:
-        async def body() -> AsyncIterator[str]:
-            open_streams = self.gw.metrics.open_connections("sse")
-            open_streams.inc()
-            self.gw.sse_streams.add(stream)
-            if self.gw.draining.is_set():  # shutting down already: the stream ends as it starts
-                stream.end_now()
-            try:
-                async for text in sse_events(stream.relayed(), Assembler(meta), meta, after, fresh, resumable):
-                    yield text
-            finally:  # finished, or the client went away (Starlette cancels the body on disconnect)
-                open_streams.dec()
-                self.gw.sse_streams.discard(stream)
-                stream.close(cancel=True)
-
-        headers = {"X-Request-Id": meta.request_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
-
-    async def _whole(self, request: Request, meta: StreamMeta, stream: JobStream) -> Response:
-        assembler = assembler_for(meta)
-
-        async def collect() -> None:
-            async for job, event in stream.events():
-                assembler.on_event(job, event)
-
-        try:
-            outcome = await _first_of(request, collect(), self.gw.draining)
-            if outcome == "disconnected":
-                return Response(status_code=499)  # nobody is listening; the jobs are cancelled below
-            if outcome == "draining":  # no resume for a whole answer: free its KV now, the client retries
-                await stream.cancel_unfinished()
-                raise OpenAIError(503, "the gateway is shutting down; retry (another gateway may serve it)",
-                                  None, "shutting_down", "server_error", {"Retry-After": "1"})
-        finally:
-            stream.close(cancel=True)
-        if assembler.error is not None:
-            raise OpenAIError(_worker_status(assembler.error["code"]), assembler.error["message"], None,
-                              assembler.error["code"], assembler.error["type"])
-        return JSONResponse(assembler.body(), headers={"X-Request-Id": meta.request_id})
-
-    # --- resume ------------------------------------------------------------------------------------
-
-    async def resume(self, request: Request) -> Response:
-        after = request.query_params.get("after")
-        last_event_id = request.headers.get("last-event-id")
-        if last_event_id:  # an EventSource reconnecting to this URL: its header is the newer position
-            after = last_event_id.rpartition(":")[2]
-        return await self._resume(request, request.path_params["request_id"], after)
-
-    async def _resume(self, request: Request, rid: str, after: str | None) -> Response:
-        position = Position.parse(after)
-        if not ID_RE.match(rid):
-            raise bad("not a request id of this server", "request_id")
-        caller = self.gw.config.tenant_of(request_token(request))
-        text = await self.gw.hub.stream_meta(job_id(caller, rid))
-        if text is None:
-            raise OpenAIError(404, f"no stream {rid!r} (never created, or expired)", "request_id", "unknown_request")
-        meta = StreamMeta.loads(text)
-        if len(meta.jobs) != 1:
-            raise bad("only a request with one prompt can be resumed", "request_id")
-        rid = meta.jobs[0]  # its id in Redis (a tenant's is namespaced)
-        try:
-            point = await begin_resume(self.gw.hub, self.gw.keep, caller, rid)
-            point.check_position(position.seq)
-        except ProtocolError as e:
-            # Another tenant's request is answered as if it did not exist: its id tells a stranger nothing.
-            if e.code == "unknown_request":
-                raise OpenAIError(404, f"no stream {rid!r} (expired)", "request_id", "unknown_request") from e
-            raise bad(e.message, "Last-Event-ID") from e
-        self.gw.metrics.inc("resumes_total")
-        stream = JobStream(self.gw, meta)
-        try:
-            await stream.watch(0, catch_up=True)  # from seq 0: the assembler rebuilds the first run's state
-        except BaseException:
-            stream.close(cancel=True)
-            raise
-        return self._sse(request, meta, stream, position, fresh=False, resumable=True)
-
 
 def _session(request: Request, req: OpenAIRequest) -> str | None:
     """The jobs' `session`: the X-Session-Id header, else the body's `user` (None: neither)."""
@@ -337,30 +256,3 @@ def _session(request: Request, req: OpenAIRequest) -> str | None:
 
 def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
-
-
-def _worker_status(code: str) -> int:
-    if code in ("internal", "crashed_worker", "too_many_deliveries", "damaged_events"):
-        return 500
-    return 504 if code == "expired" else 400
-
-
-async def _first_of(request: Request, work: Any, draining: asyncio.Event) -> str:
-    """Run `work` to its end ("done", or its exception) unless the client disconnects ("disconnected")
-    or the gateway starts shutting down ("draining") first."""
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    tasks = {"done": asyncio.ensure_future(work), "disconnected": asyncio.ensure_future(disconnected()),
-             "draining": asyncio.ensure_future(draining.wait())}
-    try:
-        finished, _ = await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_COMPLETED)
-        if tasks["done"] in finished:
-            tasks["done"].result()  # its exception, if it failed
-            return "done"
-        return "disconnected" if tasks["disconnected"] in finished else "draining"
-    finally:
-        for t in tasks.values():
-            t.cancel()
-        await asyncio.gather(*tasks.values(), return_exceptions=True)
