@@ -23,7 +23,7 @@ log = logging.getLogger("streamer.kernels")
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / "paged_decode_cpu.cpp", _CSRC / "decode_shared_prefix_cpu.cpp", _CSRC / "paged_prefill_cpu.cpp",
             _CSRC / "elementwise_cpu.cpp", _CSRC / "nucleus_cpu.cpp", _CSRC / "int8_gemm_cpu.cpp",
-            _CSRC / "lora_cpu.cpp", _CSRC / "bindings_cpu.cpp"]
+            _CSRC / "lora_cpu.cpp", _CSRC / "grouped_gemm_cpu.cpp", _CSRC / "bindings_cpu.cpp"]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 
 

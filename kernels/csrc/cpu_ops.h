@@ -40,6 +40,8 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 // kernels/cache_ops.py: reshape_and_cache_ref, any dtype (rows are copied bytewise)
 void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
                        torch::Tensor slot_mapping);
+// kernels/grouped_gemm.py: grouped_mm_ref (any float dtype; b may be a transposed view)
+torch::Tensor grouped_mm_rows(torch::Tensor a, torch::Tensor b, torch::Tensor offs);
 // kernels/argmax.py: argmax_ref (float32 and bfloat16 rows)
 torch::Tensor argmax_rows(torch::Tensor logits);
 // kernels/nucleus.py: nucleus_threshold_ref (float32 weights, contiguous rows)
