@@ -176,8 +176,7 @@ class StreamSet:
         if reply is None:  # changing as we look: the next take reads it again
             return []
         *entries, missing = reply
-        if missing:
-            self._grouped -= {_text(s) for s in missing}
+        if missing:  # ensure_groups makes them and counts them as grouped again
             await self.ensure_groups([_text(s) for s in missing])
         return [Taken(_text(stream), entry_id, _pairs(fields), _text(tenant), float(charged))
                 for stream, entry_id, fields, tenant, charged in entries]
@@ -204,8 +203,9 @@ class StreamSet:
 
 
 def _pairs(flat: list[Any]) -> dict[Any, Any]:
-    return dict(zip(flat[::2], flat[1::2], strict=True))
+    pairs = iter(flat)  # Redis replies with whole field/value pairs
+    return dict(zip(pairs, pairs))
 
 
-def _text(value: Any) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+def _text(value: bytes) -> str:
+    return value.decode(errors="replace")  # the worker's Redis client never decodes replies
