@@ -18,7 +18,6 @@ from clients.errors import ProtocolError
 from clients.events import done_event, token_event
 from clients.loras import lookup
 from clients.protocol import Job
-from clients.resume import ResumeState
 from streamer import RequestOutput, SamplingParams
 from streamer.errors import EngineDeadError, GrammarError, QueueFullError
 from streamer.lora import LoRARequest
@@ -90,7 +89,7 @@ class JobRunner:
         if state.finished:  # answered before, only the ack was lost
             await self.answers.ack(d.stream, entry_id)
             return None
-        d.trace = job_trace.start(job, entry_id, d.deliveries, self.cfg.consumer, state.next_seq)
+        d.trace = job_trace.start(job, _pushed_as(d), d.deliveries, self.cfg.consumer, state.next_seq)
         run = RunningJob(job, entry_id, state.next_seq, d.fields, stream=d.stream, epoch=d.epoch, trace=d.trace)
         deliveries = d.deliveries
         if deliveries > self.cfg.max_deliveries:
@@ -148,7 +147,7 @@ class JobRunner:
             run.trace.decoding()
             stream, first = started
             try:
-                await self._relay(run, params, d.state, stream, first, tools)
+                await self._relay(run, params, d, stream, first, tools)
             finally:
                 await stream.aclose()  # aborts the request in the engine unless it finished
 
@@ -246,14 +245,14 @@ class JobRunner:
             return await anext(stream)
         return None
 
-    async def _relay(self, run: RunningJob, params: SamplingParams, state: ResumeState, stream: OutputStream,
+    async def _relay(self, run: RunningJob, params: SamplingParams, d: Delivery, stream: OutputStream,
                      out: RequestOutput, tools: ToolCalls | None) -> None:
         """Engine outputs -> events, one event per sample per step, until the request finishes."""
-        job = run.job
+        job, state = run.job, d.state
         emitted = {k: len(v) for k, v in state.token_ids.items()}  # counts include a resumed run's
         answer_text = ""  # the first sample's text generated here
         reasons: dict[int, str] = {}
-        observed = self.metrics.request(run.entry_id, fresh=state.next_seq == 0)
+        observed = self.metrics.request(_pushed_as(d), fresh=state.next_seq == 0)
         while True:
             if out.error is not None:  # the engine ran everyone else's step without this request
                 self.metrics.finished(["error"] * params.n)
@@ -303,6 +302,14 @@ class JobRunner:
             if finished:
                 reasons[c.index] = c.finish_reason if tools is None else tools.finish_reason(c.index, c.finish_reason)
         return events, new_tokens, text0
+
+
+def _pushed_as(d: Delivery) -> str:
+    """The entry its submitter added: the one it was read from, or the one it was first pushed as when
+    a worker moved it (into a priority lane, lanes.py; to its session's worker, affinity.py). Its
+    time in the queue, and so its queue time, TTFT and e2e latency and its trace's queue.wait, start
+    there: the wait before the move is the client's too."""
+    return d.origin or d.entry_id
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict[str, int]:
