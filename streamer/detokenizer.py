@@ -33,12 +33,26 @@ class IncrementalDetokenizer:
         """Add one token's text; return the stop string it completed, if any (text is trimmed)."""
         if self.tokenizer is None:
             return None
-        chunk = self.stream.step(self.tokenizer, token_id)
+        chunk = self._step(token_id)
         self.unflushed.append(token_id)
         if not chunk:
             return None
         self.unflushed = []
         return self._add_text(chunk, check_stop)
+
+    def _step(self, token_id: int) -> str | None:
+        try:
+            return self.stream.step(self.tokenizer, token_id)
+        except Exception as exc:  # tokenizers raises a bare Exception
+            if "Invalid prefix" not in str(exc):
+                raise
+        # A byte-fallback tokenizer (Llama 2, Mistral, Gemma) decodes a byte token as its character
+        # alone but as U+FFFD once an invalid byte follows it, so the text already streamed stops
+        # being a prefix of the stream's decode. What was streamed stays; the stream starts afresh
+        # (as vLLM's does) from the tokens it still held back.
+        self.stream = DecodeStream(skip_special_tokens=self.skip_special)
+        chunks = [self.stream.step(self.tokenizer, held) for held in [*self.unflushed, token_id]]
+        return "".join(c for c in chunks if c) or None
 
     def flush(self, check_stop: bool) -> str | None:
         """At the end, bytes that never became valid UTF-8 come out as U+FFFD, as a full decode

@@ -179,6 +179,28 @@ def test_first_token_text_depends_on_the_prompt_before_it(metaspace_tok, prompt_
     assert text == metaspace_tok.decode(prompt + output)[len(metaspace_tok.decode(prompt)):] == " quick brown fox"
 
 
+def byte_fallback_tokenizer():  # noqa: ANN201 - a tokenizers.Tokenizer
+    """Llama 2 / Mistral / Gemma style: every byte a token of its own (<0xNN>), decoded by ByteFallback."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "at": 257, "h": 258, "▁the": 259}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tokenizer
+
+
+def test_an_invalid_byte_after_a_streamed_byte_token_does_not_fail_the_sequence() -> None:
+    """`F` (0x46) streams as "F"; an invalid byte (0xF6) after it turns the pair into "��" in a full
+    decode, which tokenizers' DecodeStream reports as an error. The sequence goes on: "F" stays
+    streamed, the invalid byte is U+FFFD, later tokens stream as usual."""
+    tokenizer = byte_fallback_tokenizer()
+    detok = IncrementalDetokenizer(tokenizer, [259], SamplingParams(stop=["ath"]))
+    hits = [detok.append(token, check_stop=True) for token in (1 + 0x46, 1 + 0xF6, 257, 259, 258)]
+    assert tokenizer.decode([1 + 0x46, 1 + 0xF6, 257]) == "\ufffd\ufffdat"  # the case DecodeStream rejects
+    assert hits == [None] * 5
+    assert detok.delta(finished=True) == "F\ufffdat the" + "h"
+
+
 def test_special_tokens_follow_skip_special_tokens(tok) -> None:
     tokens = tok("hi").input_ids + [tok.eos_token_id] + tok(" there").input_ids
     for skip in (True, False):
