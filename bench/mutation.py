@@ -141,6 +141,9 @@ TARGETS: dict[str, Target] = {
     "session": Target("workers/gateway/session.py", ("tests/gateway/test_gateway.py",
                                                      "tests/gateway/test_gateway_limits.py")),
     "openai_routes": Target("workers/gateway/openai/routes.py", ("tests/gateway/test_openai_api.py",)),
+    # Streamed (SSE) and whole answers and their resumes, split out of routes.py.
+    "openai_answers": Target("workers/gateway/openai/answers.py", ("tests/gateway/test_openai_api.py",
+                                                                   "tests/gateway/test_responses.py")),
 }
 
 
