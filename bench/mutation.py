@@ -120,7 +120,9 @@ TARGETS: dict[str, Target] = {
                                                           "tests/clients/test_routing.py",
                                                           "tests/gateway/test_serving_boundaries.py")),
     "streams": Target("workers/worker/streams.py", ("tests/worker/test_stream_set.py",
-                                                    "tests/gateway/test_serving_boundaries.py")),
+                                                    "tests/gateway/test_serving_boundaries.py",
+                                                    "tests/worker/test_raw_routing.py",
+                                                    "tests/worker/test_batch_seats.py")),
     # A job's life in the worker: deliveries, duplicates, bad jobs, the engine's refusals and failures,
     # its answer. test_job_runner.py alone: a scripted engine (no model), 22 tests in ~13 s. The files
     # with real workers on the tiny Llama (test_worker_deliveries, _bad_input, test_dead_letters) took
