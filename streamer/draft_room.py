@@ -4,17 +4,13 @@ the scheduler asks its proposer for all of them at once, since a draft model gue
 from __future__ import annotations
 
 from collections.abc import Container
-from typing import TYPE_CHECKING
 
 from streamer.request import Sequence
 from streamer.spec_decode.rejection_sampler import can_verify
 
-if TYPE_CHECKING:
-    from streamer.scheduler import SchedulerConfig
 
-
-def draft_room(running: list[Sequence], forking: Container[int], budget: int, config: SchedulerConfig
-               ) -> dict[Sequence, int]:
+def draft_room(running: list[Sequence], forking: Container[int], budget: int, num_speculative_tokens: int,
+               max_model_len: int) -> dict[Sequence, int]:
     """The decoding sequences that may draft (a prompt's last row, one whose samples fork from it
     (`forking`: seq ids) or one whose sampling cannot be verified may not), each with as many drafts as
     the budget, the model's length and its request's max_tokens leave room for (a draft past the end
@@ -25,7 +21,7 @@ def draft_room(running: list[Sequence], forking: Container[int], budget: int, co
                 or seq.seq_id in forking or not can_verify(seq):
             continue
         max_tokens = seq.params.max_tokens
-        room = min(config.num_speculative_tokens, budget - 1, config.max_model_len - seq.num_tokens,
+        room = min(num_speculative_tokens, budget - 1, max_model_len - seq.num_tokens,
                    max_tokens - seq.num_output_tokens - 1 if max_tokens is not None else budget)
         if room > 0:
             wanted[seq] = room

@@ -1,16 +1,20 @@
-"""Which running sequences more urgent waiting ones preempt (the scheduler's priority rule).
+"""The scheduler's priority rules: which running sequences more urgent waiting ones preempt, and which
+prompts leave a step to more urgent ones.
 
-Pure: reads the waiting heads, the running sequences and the block manager, changes nothing; the
-scheduler preempts what it returns, before the step hands out seats, blocks and tokens.
+Pure: reads the waiting heads, the running sequences, the block manager and the step so far, changes
+nothing; the scheduler preempts what `priority_victims` returns, before the step hands out seats,
+blocks and tokens.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterable
 
 from streamer.block_manager import BlockManager, PrefixHit
 from streamer.request import Sequence
+from streamer.scheduler_output import SchedulerOutput
 
 
 class Room(enum.Enum):
@@ -64,6 +68,20 @@ def yields_budget(seq: Sequence, urgent: int) -> bool:
     of priority `urgent` are admitted: it computes a prompt (or recomputes after a preemption) in
     chunks and is less urgent. A decode always goes first: one token, and it holds its seat anyway."""
     return seq.priority > urgent and seq.num_tokens - seq.num_computed_tokens > 1
+
+
+def prompt_priority(out: SchedulerOutput) -> float:
+    """The most urgent priority of the prompts (chunks, recomputes) a step computes so far (inf: none)."""
+    return min((item.seq.priority for item in out.scheduled if item.num_new_prompt_tokens or item.num_new_tokens > 1),
+               default=math.inf)
+
+
+def waits_for_step(priority: int, step_priority: float, background: int | None) -> bool:
+    """Whether a prompt of `priority` waits for a later step: it is background work (`background` or
+    less urgent: a Batch API line) and the step already computes a prompt that is not (of priority
+    `step_priority`). A batch line's prompt never makes the step of an interactive prompt longer; it
+    runs in the steps that compute no other prompt."""
+    return background is not None and priority >= background > step_priority
 
 
 def _room_for(head: Sequence, hit: PrefixHit, victims: list[Sequence], ahead: list[tuple[Sequence, PrefixHit]],

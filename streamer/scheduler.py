@@ -1,13 +1,13 @@
 """Iteration-level scheduler with vLLM V1's single rule; the owner of every request's lifecycle.
 
-Every sequence has `num_computed_tokens`; each step hands out a token budget so that sequences
-catch up with their tokens. Decodes (1 token) and prefills (many, chunked when the budget is
-short) of different requests share a step; a prompt less urgent than other work takes its share
-last. When blocks run out, the most recently admitted running sequence is preempted: its blocks
-are freed and it is recomputed later. Waiting sequences more urgent than running ones that find no
-seat or no blocks preempt the least urgent (never of their own or a more urgent priority) and are
-all admitted in that step (preemption.py). The waiting queue orders by priority, then by the
-service the request's session has already had (waiting_queue.py).
+Every sequence has `num_computed_tokens`; each step hands out a token budget so that sequences catch up
+with their tokens. Decodes (1 token) and prefills (many, chunked when the budget is short) of different
+requests share a step; a prompt less urgent than other work takes what budget that leaves, and background
+work's (batch lines) only a step without other prompts. When blocks run out, the most recently admitted
+running sequence is preempted: its blocks are freed and it is recomputed later. Waiting sequences more
+urgent than running ones that find no seat or no blocks preempt the least urgent (never of their own or a
+more urgent priority) and are all admitted in that step (preemption.py). The waiting queue orders by
+priority, then by the service the request's session has already had (waiting_queue.py).
 
 One step is `schedule() -> SchedulerOutput`, the model, then `update_from_output(...)`
 (scheduler_update.py): it advances computed tokens, caches full blocks, forks samples, appends the
@@ -27,7 +27,7 @@ from streamer.block_manager import BlockManager, PrefixHit
 from streamer.draft_room import draft_room
 from streamer.errors import QueueFullError
 from streamer.outputs import PromptProgress
-from streamer.preemption import priority_victims, yields_budget
+from streamer.preemption import priority_victims, prompt_priority, waits_for_step, yields_budget
 from streamer.request import Request, SeqStatus, Sequence
 from streamer.scheduler_output import ScheduledSeq, SchedulerOutput, StepUpdates
 from streamer.scheduler_stats import SchedulerStats
@@ -55,6 +55,9 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0  # drafts per decoding sequence and step, when a proposer is given
     sliding_window: int = 0  # > 0: every layer attends to this many keys; blocks before them are released
     max_loras: int = 0  # distinct adapters running at once (the runner's slots; streamer/lora)
+    # Sequences of at least this priority are background work (the Batch API's lines: clients/names.py
+    # BATCH_PRIORITY): their prompts run only in steps that compute no other prompt. None: no such work.
+    background_priority: int | None = 2**30
 
 
 class Scheduler:
@@ -137,6 +140,8 @@ class Scheduler:
         if len(out.preempted) == num_priority_victims:  # else blocks ran short: nobody more this step
             for seq in sorted(deferred, key=lambda s: s.priority):  # stable: admission order among equals
                 budget = self._schedule_waiting(out, budget, seq.priority)
+                if waits_for_step(seq.priority, prompt_priority(out), self.config.background_priority):
+                    break
                 budget = self._schedule_chunk(out, seq, budget)
             budget = self._schedule_waiting(out, budget)
         if not out.scheduled:
@@ -152,8 +157,8 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, list[Sequence]]:
         """Tokens for the running sequences in admission order, but for prompt chunks less urgent than other
-        work, running or waiting (preemption.yields_budget): returned, to take the budget after the more
-        urgent prompts are admitted (a batch line's prompt never holds an interactive one back)."""
+        work, running or waiting (preemption.yields_budget): returned, to take what the more urgent
+        prompts leave (a batch line's prompt never holds an interactive one back)."""
         heads = [self.waiting.peek()] if len(self.waiting) else []
         urgent = min((s.priority for s in (*self.running, *heads)), default=0)
         guesses = self._guesses(budget)
@@ -203,20 +208,23 @@ class Scheduler:
         """Guessed next tokens of the decoding sequences that may draft (draft_room.py)."""
         if self.proposer is None:
             return {}
-        wanted = draft_room(self.running, self._forks, budget, self.config)
+        c = self.config
+        wanted = draft_room(self.running, self._forks, budget, c.num_speculative_tokens, c.max_model_len)
         return self.proposer.propose_many(wanted) if wanted else {}
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, before: int | None = None) -> int:
-        """Admit waiting sequences (more urgent than `before`), in the queue's order, while seats, blocks
-        and the budget last; returns the budget left."""
+        """Admit waiting sequences (more urgent than `before`; background ones only into a step without other
+        prompts), in the queue's order, while seats, blocks and the budget last; returns the budget left."""
         bm = self.block_manager
+        top = prompt_priority(out)
         held = []  # prompts waiting for a prefix that a running prompt is computing
         # Adapters of the running sequences: a step holds at most max_loras (one device slot each),
         # so a sequence of yet another adapter waits until one of them has no sequence running.
         adapters = {s.lora for s in self.running if s.lora is not None}
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek()
-            if before is not None and seq.priority >= before:
+            if (before is not None and seq.priority >= before) or \
+                    waits_for_step(seq.priority, top, self.config.background_priority):
                 break
             if seq.lora is not None and seq.lora not in adapters and len(adapters) >= self.config.max_loras:
                 held.append(self.waiting.pop_entry())
@@ -242,6 +250,7 @@ class Scheduler:
                 adapters.add(seq.lora)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+            top = min(top, seq.priority)
         for entry in held:
             self.waiting.push_entry(entry)
         return budget
@@ -337,3 +346,4 @@ class Scheduler:
             "num_sessions": len(self.service),
             **self.counters.as_dict(),
         }
+

@@ -10,20 +10,53 @@ the scheduler stays the one owner of every sequence's lifecycle.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from streamer.beam_requests import Beams
 from streamer.beam_search import Selection
+from streamer.block_manager import BlockManager
 from streamer.request import Request, SeqStatus, Sequence
 from streamer.scheduler_output import PooledResult, ScheduledSeq, SchedulerOutput, SeqUpdate, StepUpdates
+from streamer.scheduler_stats import SchedulerStats
 from streamer.stop_checker import finish_reason_after
+from streamer.waiting_queue import AttainedService
 
 if TYPE_CHECKING:
     from streamer.sampler import SamplerOutput
-    from streamer.scheduler import Scheduler
+
+
+class _Limits(Protocol):
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def sliding_window(self) -> int: ...
+
+
+class SequenceOwner(Protocol):
+    """What the update step uses of the scheduler (scheduler.py): its parts, and its operations that
+    move sequences."""
+
+    @property
+    def config(self) -> _Limits: ...
+    @property
+    def block_manager(self) -> BlockManager: ...
+    @property
+    def service(self) -> AttainedService: ...
+    @property
+    def counters(self) -> SchedulerStats: ...
+    @property
+    def beams(self) -> Beams: ...
+    @property
+    def requests(self) -> dict[str, Request]: ...
+    def start_running(self, seq: Sequence, num_computed_tokens: int) -> None: ...
+    def finish(self, seq: Sequence) -> None: ...
+    def add(self, seq: Sequence) -> None: ...
 
 
 class StepUpdater:
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: SequenceOwner) -> None:
         self.s = scheduler
 
     def apply(self, out: SchedulerOutput, model_output: tuple[list[Sequence], SamplerOutput | None]) -> StepUpdates:

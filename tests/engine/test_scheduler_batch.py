@@ -1,9 +1,9 @@
 """A Batch API batch beside interactive traffic, on the real scheduler and block manager (no model): batch
 sequences (the least urgent priority) hold every seat, or prefill a long prompt in chunks, and interactive
 ones arrive. Every interactive sequence that arrives is admitted at the very next step, however many
-arrive at once (the batch ones it needs are preempted, the latest admitted first), batch prompt chunks
-take the step's tokens only after the interactive prompts, and the preempted batch sequences are
-recomputed afterwards; end to end, every output is still transformers' greedy output, each once."""
+arrive at once (the batch ones it needs are preempted, the latest admitted first), a batch prompt waits
+for a step that computes no interactive prompt (batch decodes go on), and the preempted batch sequences
+are recomputed afterwards; end to end, every output is still transformers' greedy output, each once."""
 
 from __future__ import annotations
 
@@ -57,27 +57,33 @@ def test_only_as_many_batch_sequences_as_the_arrivals_need_are_preempted() -> No
     assert scheduled(sched) == (["b1"], ["b0", "i0", "i1", "i2"])
 
 
-def test_interactive_prompts_take_the_budget_before_batch_prompt_chunks() -> None:
+def test_a_batch_prompt_waits_for_a_step_without_an_interactive_prompt() -> None:
     sched = make(budget=16)
     long_batch = seq("batch", 100, BATCH)
     sched.add(long_batch)
     step(sched)
     assert long_batch.num_computed_tokens == 16  # a prompt computed in chunks of the whole budget
     sched.add(seq("urgent", 10, 0, first=200))
-    out, _ = step(sched)
-    assert [(item.seq.request_id, item.num_new_tokens) for item in out.scheduled] == [("urgent", 10), ("batch", 6)]
-    assert out.preempted == []  # a seat and blocks were free: the budget was all it lacked
+    out, _ = step(sched)  # the batch chunk neither takes the urgent prompt's budget nor the 6 tokens left
+    assert [(item.seq.request_id, item.num_new_tokens) for item in out.scheduled] == [("urgent", 10)]
+    assert out.preempted == [] and long_batch.num_computed_tokens == 16
     assert [(item.seq.request_id, item.num_new_tokens) for item in step(sched)[0].scheduled] == \
         [("urgent", 1), ("batch", 15)]
 
 
-def test_batch_decodes_keep_their_tokens_while_an_interactive_prompt_is_admitted() -> None:
+def test_batch_decodes_keep_their_tokens_and_batch_admissions_wait_while_an_interactive_prompt_runs() -> None:
     sched = make(budget=16)
     decoding = seq("decoding", 4, BATCH)
     running(sched, decoding)
     sched.add(seq("urgent", 20, 0, first=200))
+    sched.add(seq("next line", 4, BATCH, first=300))
     out, _ = step(sched)
     assert [(item.seq.request_id, item.num_new_tokens) for item in out.scheduled] == [("decoding", 1), ("urgent", 15)]
+    out, _ = step(sched)  # the urgent prompt's last 5 tokens: the next batch line is still not admitted
+    assert [(item.seq.request_id, item.num_new_tokens) for item in out.scheduled] == [("decoding", 1), ("urgent", 5)]
+    out, _ = step(sched)
+    assert [(item.seq.request_id, item.num_new_tokens) for item in out.scheduled] == \
+        [("decoding", 1), ("urgent", 1), ("next line", 4)]
 
 
 def greedy(max_tokens: int) -> SamplingParams:
