@@ -10,8 +10,9 @@ first content chunk. Phases alternate `alone` and `with batch` (--repeats each, 
 `with batch` phase uploads a --batch-lines batch through `/v1/files` and `/v1/batches` just before
 the interactive load starts (its lines wait in the batch lane, below every interactive lane:
 docs/scheduling.md), and cancels it once the load ends. Reported: TTFT p50/p99 of each kind of phase
-(all their requests together), the ratio with/without, and the batch lines answered while the
-interactive load ran.
+(all their requests together), the ratio with/without, the batch lines answered while the
+interactive load ran, and the engine's preemptions in each phase (from the worker's /metrics: batch
+sequences preempted for interactive ones, recomputed later).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 import redis
 
@@ -96,9 +98,18 @@ async def phase(base_url: str, args: argparse.Namespace, model: str, with_batch:
         return ttfts, answered
 
 
-def start_servers(args: argparse.Namespace, redis_url: str, model: str, port: int) -> list[subprocess.Popen]:
+def preemptions(metrics_port: int) -> int:
+    """The worker engine's preemptions so far (`vllm:num_preemptions_total`)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
+        lines = resp.read().decode().splitlines()
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:num_preemptions_total")))
+
+
+def start_servers(args: argparse.Namespace, redis_url: str, model: str, port: int, metrics_port: int
+                  ) -> list[subprocess.Popen]:
     worker = [sys.executable, "-m", "workers.cli", "worker", "--model", model, "--redis", redis_url,
-              "--device", args.device, "--max-num-seqs", str(args.max_num_seqs), "--log-level", "WARNING"]
+              "--device", args.device, "--max-num-seqs", str(args.max_num_seqs), "--log-level", "WARNING",
+              "--metrics-port", str(metrics_port)]
     procs = [subprocess.Popen(worker, cwd=ROOT, env=child_env())]
     client = redis.Redis.from_url(redis_url)
     with task("starting the worker"):
@@ -127,10 +138,11 @@ def main() -> None:
 
     ttfts: dict[str, list[float]] = {"alone": [], "with batch": []}
     answered: list[int] = []
+    preempted: dict[str, list[int]] = {"alone": [], "with batch": []}
     with tempfile.TemporaryDirectory() as tmp, RedisServer() as redis_server:
         model = model_or_tiny(args.model, tmp)
-        port = free_port()
-        procs = start_servers(args, redis_server.url, model, port)
+        port, metrics_port = free_port(), free_port()
+        procs = start_servers(args, redis_server.url, model, port, metrics_port)
         base = f"http://127.0.0.1:{port}/v1"
         try:
             with task("phases", total=1 + 2 * args.repeats) as bar:
@@ -139,17 +151,20 @@ def main() -> None:
                 for i in range(args.repeats):
                     for kind in ("alone", "with batch"):
                         bar.update(description=f"phases (repeat {i + 1}/{args.repeats}: {kind})")
+                        before = preemptions(metrics_port)
                         got, lines = asyncio.run(phase(base, args, model, kind == "with batch"))
+                        preempted[kind].append(preemptions(metrics_port) - before)
                         ttfts[kind] += got
                         if kind == "with batch":
                             answered.append(lines)
                         bar.advance()
         finally:
             stop_all(list(reversed(procs)), timeout=20)
-    report(args, ttfts, answered)
+    report(args, ttfts, answered, preempted)
 
 
-def report(args: argparse.Namespace, ttfts: dict[str, list[float]], answered: list[int]) -> None:
+def report(args: argparse.Namespace, ttfts: dict[str, list[float]], answered: list[int],
+           preempted: dict[str, list[int]]) -> None:
     rows = {kind: {"p50_ms": percentile(v, 0.5) * 1e3, "p99_ms": percentile(v, 0.99) * 1e3, "requests": len(v)}
             for kind, v in ttfts.items()}
     print(f"interactive: {args.rate:g} streaming chat req/s for {args.duration:g} s, {args.max_tokens} tokens each; "
@@ -159,9 +174,11 @@ def report(args: argparse.Namespace, ttfts: dict[str, list[float]], answered: li
     for kind, r in rows.items():
         print(f"{kind:14}{r['p50_ms']:12.1f}{r['p99_ms']:12.1f}{r['requests']:10d}")
     ratio = rows["with batch"]["p99_ms"] / rows["alone"]["p99_ms"]
-    print(f"p99 with / without batch: {ratio:.3f}; batch lines answered during the load: {answered}")
+    print(f"p99 with / without batch: {ratio:.3f}; batch lines answered during the load: {answered}; "
+          f"preemptions per phase: {preempted}")
     if args.json:
-        print(json.dumps({"ttft": rows, "p99_ratio": ratio, "batch_lines_answered": answered}))
+        print(json.dumps({"ttft": rows, "p99_ratio": ratio, "batch_lines_answered": answered,
+                          "preemptions": preempted}))
 
 
 if __name__ == "__main__":
