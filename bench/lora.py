@@ -1,7 +1,8 @@
 """Multi-LoRA throughput: batches mixing 4 adapters against the base model alone, in the same run.
 
     python -m bench.lora [--model DIR] [--dtype bfloat16] [--rank 16] [--rounds 5] [--repeats 1]
-                         [--workload main] [--requests 64] [--skip-workload]
+                         [--workload main] [--requests 64] [--skip-workload] [--torch-path]
+                         [--products]
 
 Two measures, each alternating the three ways of running the same requests: every request on the base
 model (`base`); every request under one of 4 adapters, request i under adapter i mod 4 (`4 adapters`);
@@ -18,17 +19,25 @@ of rank --rank on all seven projections (q, k, v, o, gate, up, down), built here
    --requests, submitted at once, output tok/s of the whole batch; the three ways alternate
    `--repeats` times, the prefix cache reset before each.
 
-Each LoRA way's ratio to `base` is printed (the goal: within 15%, ratio >= 0.85).
+Each LoRA way's ratio to `base` is printed (the goal: within 15%, ratio >= 0.85). With
+`--torch-path`, a fourth way, `4 adapters, torch ops`, runs the 4 adapters on the products the engine
+falls back to where the compiled CPU kernel cannot be built (kernels/lora.py: lora_add_segmented), in
+the same rounds: the kernel's before and after. `--products` times only the products of a decode
+step (SmolLM2-135M's 120 adapted modules, 64 rows of 4 adapters), kernel against torch ops, and exits.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import streamer_kernels.lora as lora_kernels
 import torch
 
 from bench.harness.workload import ANCHOR_WORKLOADS
@@ -61,6 +70,54 @@ def build_adapters(model: Path, out: Path, rank: int) -> list[LoRARequest]:
         peft_model.save_pretrained(str(out / f"adapter{i}"))
         loras.append(LoRARequest(f"adapter{i}", str(out / f"adapter{i}")))
     return loras
+
+
+@contextlib.contextmanager
+def products_as_torch_ops(on: bool) -> Iterator[None]:
+    """The engine's CPU LoRA products as torch ops (its path without compiled kernels) while on."""
+    kernels = lora_kernels.cpu_kernels
+    if on:
+        lora_kernels.cpu_kernels = lambda: None
+    try:
+        yield
+    finally:
+        lora_kernels.cpu_kernels = kernels
+
+
+# SmolLM2-135M's adapted modules: (in, output widths of the parts) of q/k/v, o, gate/up, down; 30 layers.
+PRODUCT_MODULES = [(576, [576, 192, 192]), (576, [576]), (576, [1536, 1536]), (1536, [576])]
+PRODUCT_LAYERS = 30
+
+
+def products_ms(dtype: torch.dtype, rank: int, rounds: int) -> dict[str, float]:
+    """The LoRA products alone, a decode step's worth (every adapted module of 30 layers, 64 rows, 4
+    rank-`rank` slots on every part), on the compiled kernel and on the torch ops: the fastest of
+    `rounds` (the least disturbed on a shared machine), in ms."""
+    gen = torch.Generator().manual_seed(0)
+    calls = []
+    for n_in, sizes in PRODUCT_MODULES:
+        cols = [0, *itertools.accumulate(sizes)]
+        k = len(sizes) * rank
+        a_t = torch.randn(NUM_ADAPTERS, n_in, k, generator=gen) * 0.01
+        b_t = torch.zeros(NUM_ADAPTERS, k, cols[-1])
+        spans = torch.tensor([[[p * rank, (p + 1) * rank] for p in range(len(sizes))]] * NUM_ADAPTERS)
+        for p in range(len(sizes)):
+            b_t[:, p * rank:(p + 1) * rank, cols[p]:cols[p + 1]] = torch.randn(NUM_ADAPTERS, rank, sizes[p]) * 0.01
+        x = torch.randn(DECODE_BATCH, n_in, generator=gen).to(dtype)
+        calls.append((x, torch.randn(DECODE_BATCH, cols[-1]).to(dtype), a_t, b_t, spans, torch.tensor(cols)))
+    seg = lora_kernels.Segments.from_slots(torch.arange(DECODE_BATCH, dtype=torch.int32) * NUM_ADAPTERS // DECODE_BATCH)
+    out = {}
+    for name, torch_ops in (("kernel", False), ("torch ops", True)):
+        with products_as_torch_ops(torch_ops):
+            times = []
+            for _ in range(rounds + 1):  # the first untimed
+                t0 = time.perf_counter()
+                for _ in range(PRODUCT_LAYERS):
+                    for x, y, a_t, b_t, spans, cols in calls:
+                        lora_kernels.lora_add_cpu(x, y, a_t, b_t, seg, spans, cols)
+                times.append(time.perf_counter() - t0)
+        out[name] = min(times[1:]) * 1000
+    return out
 
 
 def decode_step_s(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | None], tag: str) -> float:
@@ -121,7 +178,17 @@ def main() -> None:
     ap.add_argument("--workload", default="main", choices=sorted(ANCHOR_WORKLOADS))
     ap.add_argument("--requests", type=int, default=0, help="run the workload's first N requests (0: all)")
     ap.add_argument("--skip-workload", action="store_true")
+    ap.add_argument("--torch-path", action="store_true",
+                    help="decode measure: also the 4 adapters on torch ops (the path without the compiled kernel)")
+    ap.add_argument("--products", action="store_true",
+                    help="only the products of a decode step, kernel against torch ops, on SmolLM2-135M's shapes")
     args = ap.parse_args()
+    if args.products:
+        ms = products_ms(getattr(torch, args.dtype), args.rank, 3 * args.rounds)
+        print(f"LoRA products of a decode step ({DECODE_BATCH} rows, {NUM_ADAPTERS} adapters, rank {args.rank}, "
+              f"{args.dtype}, {PRODUCT_LAYERS} layers x {len(PRODUCT_MODULES)} modules): "
+              + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items()))
+        return
     model = resolve_model(args.model or None)
     reqs = ANCHOR_WORKLOADS[args.workload]()
     reqs = reqs[:args.requests] if args.requests else reqs
@@ -131,13 +198,19 @@ def main() -> None:
         llm = LLM(str(model), dtype=args.dtype, max_loras=NUM_ADAPTERS, max_lora_rank=args.rank)
         ways = {"base": [None], f"{NUM_ADAPTERS} adapters": list(adapters),
                 f"{NUM_ADAPTERS} adapters + base": [*adapters, None]}
+        decode_ways = dict(ways)
+        torch_ops = f"{NUM_ADAPTERS} adapters, torch ops"
+        if args.torch_path:
+            decode_ways[torch_ops] = list(adapters)
         # Warm-up: every adapter read and in its slot, the batch shapes' first-call costs paid, untimed.
-        for name, loras in ways.items():
-            decode_step_s(llm, decode_prompts, loras, f"warm-{name}")
-        steps: dict[str, list[float]] = {name: [] for name in ways}
+        for name, loras in decode_ways.items():
+            with products_as_torch_ops(name == torch_ops):
+                decode_step_s(llm, decode_prompts, loras, f"warm-{name}")
+        steps: dict[str, list[float]] = {name: [] for name in decode_ways}
         for r in range(args.rounds):
-            for name, loras in ways.items():
-                steps[name].append(decode_step_s(llm, decode_prompts, loras, f"{r}-{name}"))
+            for name, loras in decode_ways.items():
+                with products_as_torch_ops(name == torch_ops):
+                    steps[name].append(decode_step_s(llm, decode_prompts, loras, f"{r}-{name}"))
             print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1] * 1000:.1f} ms" for n, v in steps.items()), flush=True)
         report(f"decode steps of {DECODE_BATCH} sequences, {model.name}, {args.dtype}, rank {args.rank}, "
                f"medians of {args.rounds} rounds x {DECODE_STEPS} steps:", steps, "step ms", DECODE_BATCH)
