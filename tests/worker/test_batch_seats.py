@@ -5,7 +5,6 @@ for them, tests/engine/test_scheduler_batch.py), but no more batch lines. First 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,21 +23,14 @@ NAMES = Names()
 ME = "w-1"
 
 
-@pytest.fixture
-async def r(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(redis_url)
-    yield client
-    await client.aclose()
-
-
 async def submit(client: AsyncClient, *ids: str, priority: int = 0) -> None:
     for rid in ids:
         await client.submit("p", id=rid, priority=priority, params={"max_tokens": 2})
 
 
 @pytest.mark.anyio
-async def test_the_take_gives_batch_lines_only_the_free_room(r: aioredis.Redis, redis_url: str) -> None:
-    async with AsyncClient(redis_url, names=NAMES, routing="shared") as client:
+async def test_the_take_gives_batch_lines_only_the_free_room(redis_url: str) -> None:
+    async with AsyncClient(redis_url, names=NAMES, routing="shared") as client, aioredis.Redis.from_url(redis_url) as r:
         await submit(client, "b0", "b1", "b2", priority=BATCH_PRIORITY)
         await submit(client, "i0", "i1")
         streams = StreamSet(r, NAMES, ME)
