@@ -3,8 +3,9 @@
 Every sequence has `num_computed_tokens`; each step hands out a token budget so that sequences catch up
 with their tokens. Decodes (1 token) and prefills (many, chunked when the budget is short) of different
 requests share a step; a prompt less urgent than other work takes what budget that leaves, and background
-work's (batch lines) only a step without other prompts. When blocks run out, the most recently admitted
-running sequence is preempted: its blocks are freed and it is recomputed later. Waiting sequences more
+work's (batch lines) only a step without other prompts. When blocks run out, the least urgent running
+sequence (the most recently admitted among equals) is preempted: its blocks are freed and it is
+recomputed later. Waiting sequences more
 urgent than running ones that find no seat or no blocks preempt the least urgent (never of their own or a
 more urgent priority) and are all admitted in that step (preemption.py). The waiting queue orders by
 priority, then by the service the request's session has already had (waiting_queue.py).
@@ -17,6 +18,7 @@ operations. Nothing else moves a sequence.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,7 +71,9 @@ class Scheduler:
         self.beams = Beams(config.eos_token_ids)
         self.service = AttainedService(config.max_sessions, unit=config.block_size)
         self.waiting = WaitingQueue(self.service, config.max_wait_rank_s, clock)
-        self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        # Most urgent first, then in admission order: the last is the one to preempt when blocks run
+        # short, and the urgent are given their blocks first in a step.
+        self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
         self.counters = SchedulerStats()
         self._forks: dict[int, list[Sequence]] = {}  # seq_id -> samples forked once its prompt is computed
@@ -194,8 +198,8 @@ class Scheduler:
         return budget - num_new
 
     def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
-        """Allocate `seq`'s new tokens, preempting the most recently admitted sequences while blocks
-        are short; False when `seq` itself had to go."""
+        """Allocate `seq`'s new tokens, preempting the least urgent, most recently admitted sequences
+        while blocks are short; False when `seq` itself had to go."""
         while not self.block_manager.allocate(seq, num_new):
             victim = self.running.pop()
             self._preempt(victim)
@@ -245,7 +249,7 @@ class Scheduler:
                 self.counters.prefix_cache_hit_tokens += min(hit.num_tokens, seq.num_prompt_tokens)
             self.waiting.pop()
             seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            self._join_running(seq)
             if seq.lora is not None:
                 adapters.add(seq.lora)
             out.scheduled.append(ScheduledSeq(seq, num_new))
@@ -310,7 +314,10 @@ class Scheduler:
         """A sequence forked from a running one joins the running set directly."""
         seq.num_computed_tokens = num_computed_tokens
         seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
+        self._join_running(seq)
+
+    def _join_running(self, seq: Sequence) -> None:
+        bisect.insort(self.running, seq, key=lambda s: s.priority)  # after its equals: admission order
 
     # ---- introspection -----------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:

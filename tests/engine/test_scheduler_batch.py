@@ -54,7 +54,7 @@ def test_only_as_many_batch_sequences_as_the_arrivals_need_are_preempted() -> No
     assert scheduled(sched) == ([], ["b0", "b1", "i0"])
     sched.add(seq("i1", 4, 0, first=60))  # the free seat
     sched.add(seq("i2", 4, 0, first=80))  # b1's
-    assert scheduled(sched) == (["b1"], ["b0", "i0", "i1", "i2"])
+    assert scheduled(sched) == (["b1"], ["i0", "b0", "i1", "i2"])  # running ones most urgent first
 
 
 def test_a_batch_prompt_waits_for_a_step_without_an_interactive_prompt() -> None:
@@ -80,10 +80,10 @@ def test_batch_decodes_keep_their_tokens_and_batch_admissions_wait_while_an_inte
     out, _ = step(sched)
     assert [(item.seq.request_id, item.num_new_tokens) for item in out.scheduled] == [("decoding", 1), ("urgent", 15)]
     out, _ = step(sched)  # the urgent prompt's last 5 tokens: the next batch line is still not admitted
-    assert [(item.seq.request_id, item.num_new_tokens) for item in out.scheduled] == [("decoding", 1), ("urgent", 5)]
+    assert [(item.seq.request_id, item.num_new_tokens) for item in out.scheduled] == [("urgent", 5), ("decoding", 1)]
     out, _ = step(sched)
     assert [(item.seq.request_id, item.num_new_tokens) for item in out.scheduled] == \
-        [("decoding", 1), ("urgent", 1), ("next line", 4)]
+        [("urgent", 1), ("decoding", 1), ("next line", 4)]
 
 
 def greedy(max_tokens: int) -> SamplingParams:

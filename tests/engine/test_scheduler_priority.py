@@ -62,9 +62,9 @@ def test_the_least_urgent_goes_first_and_equal_or_more_urgent_never() -> None:
     for s in (low, mid, top):  # one per step, so that low is admitted first: yet the least urgent
         sched.add(s)
         step(sched)
-    assert sched.running == [low, mid, top]
+    assert sched.running == [top, mid, low]  # most urgent first, whatever the admission order
     sched.add(seq("p1-a", 4, 1, first=60))
-    assert scheduled(sched) == (["low"], ["mid", "top", "p1-a"])
+    assert scheduled(sched) == (["low"], ["top", "mid", "p1-a"])
     sched.add(seq("p1-b", 4, 1, first=80))
     assert scheduled(sched) == (["mid"], ["top", "p1-a", "p1-b"])
     sched.add(seq("p1-c", 4, 1, first=100))  # only p0 and p1 run: nobody less urgent to preempt
@@ -177,3 +177,18 @@ def test_engine_serves_the_urgent_request_first_and_both_match_transformers(llam
     reference = hf_greedy(llama_ckpt, tuple(tuple(prompts[n]) for n in names), tuple(lengths[n] for n in names),
                           ignore_eos=True)
     assert [tokens[n] for n in names] == reference
+
+
+def test_blocks_running_short_preempt_the_least_urgent_not_the_latest_admitted() -> None:
+    """A running sequence that needs a block when none is free takes it from the least urgent running
+    one, even one admitted before it (a batch line beside an interactive request), never from a more
+    urgent one admitted later."""
+    sched = make(max_num_seqs=4, num_blocks=3)  # 3 blocks of 4 tokens
+    batch, urgent = seq("batch", 4, 9), seq("urgent", 4, 0, first=20)
+    running(sched, batch)
+    sched.add(urgent)
+    # batch decodes into its second block, urgent computes its prompt into the last one
+    assert scheduled(sched) == ([], ["batch", "urgent"])
+    # urgent's first decode needs a block and none is free: batch (admitted first) gives its blocks up
+    assert scheduled(sched) == (["batch"], ["urgent"])
+    assert sched.running == [urgent] and batch.status is SeqStatus.WAITING and sched.waiting.peek() is batch
