@@ -2,7 +2,7 @@
 
     python -m bench.lora [--model DIR] [--dtype bfloat16] [--rank 16] [--rounds 5] [--repeats 1]
                          [--workload main] [--requests 64] [--skip-workload] [--torch-path]
-                         [--products]
+                         [--products] [--vllm-python VENV/bin/python --anchors ANCHORS_DIR]
 
 Two measures, each alternating the three ways of running the same requests: every request on the base
 model (`base`); every request under one of 4 adapters, request i under adapter i mod 4 (`4 adapters`);
@@ -24,6 +24,12 @@ Each LoRA way's ratio to `base` is printed (the goal: within 15%, ratio >= 0.85)
 falls back to where the compiled CPU kernel cannot be built (kernels/lora.py: lora_add_segmented), in
 the same rounds: the kernel's before and after. `--products` times only the products of a decode
 step (SmolLM2-135M's 120 adapted modules, 64 rows of 4 adapters), kernel against torch ops, and exits.
+
+With `--vllm-python` (a venv with vLLM's CPU build) and `--anchors` (the folder of its bench_vllm.py),
+vLLM then runs the same `main` workload on the same checkpoint and dtype, tuned as in bench.vs_vllm,
+twice: as configured for the base model, and with `enable_lora` serving the same 4 adapter folders
+(request i under adapter i mod 4; vLLM's CPU LoRA is PunicaWrapperCPU's torch ops), each the median of
+--repeats; streamer's and vLLM's `4 adapters` tok/s and each one's ratio to its own base are printed.
 """
 
 from __future__ import annotations
@@ -31,7 +37,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import json
+import os
 import statistics
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -40,7 +49,8 @@ from pathlib import Path
 import streamer_kernels.lora as lora_kernels
 import torch
 
-from bench.harness.workload import ANCHOR_WORKLOADS
+from bench.harness.vllm import VLLM_FLAGS, VLLM_LORA
+from bench.harness.workload import ANCHOR_WORKLOADS, fingerprint
 from streamer import LLM, SamplingParams
 from streamer.lora import LoRARequest
 from workers.default_model import resolve_model
@@ -156,6 +166,24 @@ def workload_tps(llm: LLM, reqs: list[dict], loras: list[LoRARequest | None]) ->
     return tokens / elapsed
 
 
+def vllm_tps(args: argparse.Namespace, model: Path, reqs: list[dict], loras: list[LoRARequest]) -> float:
+    """vLLM's median output tok/s on `main` (with `loras`, request i under adapter i mod len)."""
+    script = str(Path(args.anchors) / "bench_vllm.py")
+    program = ["-c", VLLM_LORA, script] if loras else [script]
+    cmd = [args.vllm_python, *program, str(model), "--dtype", args.dtype, "--repeats", str(args.repeats),
+           "--workload", "main", *VLLM_FLAGS["main"]]
+    env = {**os.environ, "STREAMER_BENCH_LORAS": json.dumps([[a.name, a.path] for a in loras]),
+           "STREAMER_BENCH_LORA_RANK": str(args.rank)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"vLLM failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    result = json.loads(lines[-1])
+    if result["fingerprint"] != fingerprint(reqs):
+        raise RuntimeError(f"workload differs: vLLM ran {result['fingerprint']}, streamer {fingerprint(reqs)}")
+    return result["median_output_tok_s"]
+
+
 def report(title: str, results: dict[str, list[float]], unit: str, to_tps: float = 0.0) -> None:
     base = statistics.median(results["base"])
     print(f"\n{title}")
@@ -182,7 +210,11 @@ def main() -> None:
                     help="decode measure: also the 4 adapters on torch ops (the path without the compiled kernel)")
     ap.add_argument("--products", action="store_true",
                     help="only the products of a decode step, kernel against torch ops, on SmolLM2-135M's shapes")
+    ap.add_argument("--vllm-python", help="python of a venv with vLLM's CPU build (main workload, all requests)")
+    ap.add_argument("--anchors", help="the folder holding bench_vllm.py")
     args = ap.parse_args()
+    if args.vllm_python and (not args.anchors or args.skip_workload or args.requests or args.workload != "main"):
+        ap.error("--vllm-python needs --anchors and the whole main workload")
     if args.products:
         ms = products_ms(getattr(torch, args.dtype), args.rank, 3 * args.rounds)
         print(f"LoRA products of a decode step ({DECODE_BATCH} rows, {NUM_ADAPTERS} adapters, rank {args.rank}, "
@@ -223,6 +255,14 @@ def main() -> None:
                 print(f"repeat {repeat + 1} {name}: {tps[name][-1]:.1f} tok/s", flush=True)
         report(f"{args.workload} ({len(reqs)} requests, {sum(r['max_tokens'] for r in reqs)} output tokens), "
                f"medians of {args.repeats}:", tps, "tok/s")
+        if args.vllm_python:
+            del llm  # its memory back before vLLM's engine starts
+            theirs = {"base": vllm_tps(args, model, reqs, []), "4 adapters": vllm_tps(args, model, reqs, adapters)}
+            ours = statistics.median(tps[f"{NUM_ADAPTERS} adapters"])
+            print(f"\nvLLM ({args.dtype}, medians of {args.repeats}): base {theirs['base']:.1f} tok/s, "
+                  f"{NUM_ADAPTERS} adapters {theirs['4 adapters']:.1f} tok/s "
+                  f"({theirs['4 adapters'] / theirs['base']:.3f} of its base); streamer {NUM_ADAPTERS} adapters "
+                  f"{ours:.1f} tok/s = {ours / theirs['4 adapters']:.2f}x vLLM's")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,13 @@ class Segments:
         return not self.runs
 
 
+def cpu_stack_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the CPU stacks: bfloat16 for a bfloat16 model where the compiled kernel runs (it
+    widens them as it reads them: a decode step's products wait on reading the stacks, and bfloat16
+    halves those bytes), else float32 (the torch ops' bfloat16 products are the slow ones)."""
+    return torch.bfloat16 if model_dtype == torch.bfloat16 and cpu_kernels() is not None else torch.float32
+
+
 def lora_add_segmented(x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor,
                        seg: Segments) -> torch.Tensor:
     """`y + delta` for the batch's adapter rows, in place on `y`, with the stacks laid out for plain

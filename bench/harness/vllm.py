@@ -30,6 +30,29 @@ sys.argv = sys.argv[1:]
 exec(compile(source, path, "exec"), {{"__name__": "__main__", "__file__": path}})
 """
 
+# Runs bench_vllm.py (its path first in argv) with LoRA on: vLLM's `enable_lora` with `max_loras` and
+# `max_lora_rank` as the engine under test, request i under adapter i mod N of the JSON list of
+# [name, folder] pairs in STREAMER_BENCH_LORAS; its warm-up requests too, so adapters load untimed.
+VLLM_LORA = """
+import json, os, sys
+path = sys.argv[1]
+source = open(path).read()
+loras = json.loads(os.environ["STREAMER_BENCH_LORAS"])
+rank = int(os.environ["STREAMER_BENCH_LORA_RANK"])
+build, generate = "    llm = LLM(**kw)", "outs = llm.generate(prompts, sps, use_tqdm=False)"
+assert source.count(build) == 1 and source.count(generate) == 1, "bench_vllm.py changed"
+lora_kw = f"kw.update(enable_lora=True, max_loras={len(loras)}, max_lora_rank={rank})"
+source = source.replace(build, f"    {lora_kw}\\n{build}")
+source = source.replace(generate, "outs = llm.generate(prompts, sps, use_tqdm=False, lora_request=["
+                        "_lora(i) for i in range(len(prompts))])")
+def _lora(i):  # vllm imported only once bench_vllm.py has set its environment
+    from vllm.lora.request import LoRARequest
+    name, folder = loras[i % len(loras)]
+    return LoRARequest(name, i % len(loras) + 1, folder)
+sys.argv = sys.argv[1:]
+exec(compile(source, path, "exec"), {"__name__": "__main__", "__file__": path, "_lora": _lora})
+"""
+
 
 def server_env(vllm_python: str, work: Path) -> dict[str, str]:
     """The environment of vLLM's OpenAI server, tuned as for the offline runs: both cores bound,

@@ -1,7 +1,8 @@
-// The register-tiled small matrix product of the prefill attention kernel, for two element types:
-// float32 (one multiply-add per element) and, on CPUs with AVX-512 BF16, pairs of bfloat16 packed
-// in 32-bit words (one vdpbf16ps per pair: products exact in float32, summed in float32, twice
-// the work per instruction).
+// The register-tiled small matrix product of the prefill attention kernel, for three element types:
+// float32 (one multiply-add per element); float32 a with bfloat16 b widened as it is loaded (half
+// the bytes of b read, for products that wait on memory: the LoRA stacks); and, on CPUs with
+// AVX-512 BF16, pairs of bfloat16 packed in 32-bit words (one vdpbf16ps per pair: products exact
+// in float32, summed in float32, twice the work per instruction).
 //
 //   c[m][0 : N] (+)= sum over k < K of a[m, k] * b[k][0 : N]
 //
@@ -18,7 +19,15 @@
 
 struct F32Elements {
   using A = float;
+  using B = float;
   static vfloat load(const float* p) { return vload(p); }
+  static vfloat madd(vfloat acc, float a, vfloat b) { return acc + a * b; }
+};
+
+struct F32Bf16Elements {
+  using A = float;
+  using B = at::BFloat16;
+  static vfloat load(const at::BFloat16* p) { return widen_vector(p); }
   static vfloat madd(vfloat acc, float a, vfloat b) { return acc + a * b; }
 };
 
@@ -26,6 +35,7 @@ struct F32Elements {
 constexpr bool kHasBf16Dot = true;
 struct Bf16PairElements {
   using A = uint32_t;  // two bfloat16: the lower half is the even reduction step
+  using B = uint32_t;
   static vfloat load(const uint32_t* p) {
     vfloat v;
     std::memcpy(&v, p, sizeof v);  // bit pattern only: 32 bfloat16
@@ -48,7 +58,7 @@ constexpr int kMaxCols = kW == 16 ? 4 : 2;
 
 // R and C are template parameters so that the accumulators stay in registers.
 template <typename E, int R, int C>
-void tile(const typename E::A* a, int64_t ars, int64_t aks, const typename E::A* b, int64_t ldb, int64_t K,
+void tile(const typename E::A* a, int64_t ars, int64_t aks, const typename E::B* b, int64_t ldb, int64_t K,
           float* c, int64_t ldc, bool accumulate) {
   vfloat acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -66,7 +76,7 @@ void tile(const typename E::A* a, int64_t ars, int64_t aks, const typename E::A*
 }
 
 template <typename E>
-using TileFn = void (*)(const typename E::A*, int64_t, int64_t, const typename E::A*, int64_t, int64_t, float*,
+using TileFn = void (*)(const typename E::A*, int64_t, int64_t, const typename E::B*, int64_t, int64_t, float*,
                         int64_t, bool);
 
 template <typename E, int R, int... C>
@@ -87,7 +97,7 @@ constexpr auto kTile = tile_table<E>(std::make_integer_sequence<int, kMaxRows>{}
 // Columns in groups of 4 vectors where they divide evenly (6 rows), else of 3 (8 rows); with
 // AVX2 2 vectors, 6 rows.
 template <typename E>
-void tile_gemm_product(const typename E::A* a, int64_t ars, int64_t aks, const typename E::A* b, int64_t ldb,
+void tile_gemm_product(const typename E::A* a, int64_t ars, int64_t aks, const typename E::B* b, int64_t ldb,
                        int64_t M, int64_t N, int64_t K, float* c, int64_t ldc, bool accumulate) {
   using namespace tile_gemm;
   const int64_t vectors = N / kW;

@@ -25,22 +25,26 @@ inline vfloat vload(const float* p) {
 inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 
 // bfloat16 is the top half of a float32: widening is a shift the compiler vectorizes (the generic
-// conversion does not). n floats from `src` into `dst`, n a multiple of kW.
-inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; i += kW) {
+// conversion does not). One vector of kW bfloat16 from `src`.
+inline vfloat widen_vector(const at::BFloat16* src) {
+  vfloat v;
 #if defined(__AVX512F__)
-    // One zero-extending load: GCC splits the generic conversion below into two 256-bit halves
-    // and a merge where it tunes for 256-bit vectors (Zen 4), 3x the instructions.
-    const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(src + i))), 16);
-    _mm512_storeu_si512(dst + i, w);
+  // One zero-extending load: GCC splits the generic conversion below into two 256-bit halves
+  // and a merge where it tunes for 256-bit vectors (Zen 4), 3x the instructions.
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
 #else
-    vu16 h;
-    std::memcpy(&h, src + i, sizeof h);
-    const vu32 w = __builtin_convertvector(h, vu32) << 16;
-    std::memcpy(dst + i, &w, sizeof w);
+  vu16 h;
+  std::memcpy(&h, src, sizeof h);
+  const vu32 w = __builtin_convertvector(h, vu32) << 16;
 #endif
-  }
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+// n floats from `src` into `dst`, n a multiple of kW.
+inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += kW) vstore(dst + i, widen_vector(src + i));
 }
 
 // A row of n floats (n a multiple of kW): float32 in place, bfloat16 widened into `buf` in whole

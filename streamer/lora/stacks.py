@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from streamer_kernels.lora import cpu_stack_dtype
 from torch import nn
 
 from streamer.lora.adapter import NUM_PARTS, AdapterError
@@ -54,12 +55,14 @@ class LoRAStack:
         parts = NUM_PARTS[name]
         # (a quantized weight's adapter runs in the default dtype: the activations')
         dtype, device = shape.dtype, shape.device
-        # On the CPU the stacks are float32 and transposed for plain row-major products (kernels/lora.py
-        # says why); the Triton kernel reads them as A [S, R, in], B [S, out, R] in the model's dtype.
+        # On the CPU the stacks are transposed for plain row-major products, float32 or bfloat16
+        # (kernels/lora.py: cpu_stack_dtype says when); the Triton kernel reads them as
+        # A [S, R, in], B [S, out, R] in the model's dtype.
         self.cpu = device.type == "cpu"
         if self.cpu:
-            self.a = torch.zeros(num_slots, self.in_features, parts * rank, dtype=torch.float32)
-            self.b = torch.zeros(num_slots, parts * rank, out, dtype=torch.float32)
+            stack_dtype = cpu_stack_dtype(dtype)
+            self.a = torch.zeros(num_slots, self.in_features, parts * rank, dtype=stack_dtype)
+            self.b = torch.zeros(num_slots, parts * rank, out, dtype=stack_dtype)
         else:
             self.a = torch.zeros(num_slots, parts * rank, self.in_features, dtype=dtype, device=device)
             self.b = torch.zeros(num_slots, out, parts * rank, dtype=dtype, device=device)

@@ -6,11 +6,12 @@ holding an adapter of the fused module as a whole, and shapes with and without w
 
 Tolerance. float32: relative error of the delta 1e-5. Both sides sum in float32, in different
 orders (register tiles, fused multiply-adds under -ffast-math): a few ulps (1.2e-7) times the
-~sqrt(in) growth of a sum's rounding error. bfloat16 (x and y; the stacks are float32 as the
-engine keeps them): the kernel adds its float32 delta into y and rounds once, as the reference's
-`y.float() + delta` rounded; every element within 2^-8 of its value (a half ulp, 2^-9, is the
-rounding; the other half covers a float32 sum landing on the other side of a rounding boundary),
-plus 1e-5 absolute where y and the delta cancel."""
+~sqrt(in) growth of a sum's rounding error. bfloat16 (x and y, with float32 stacks): the kernel
+adds its float32 delta into y and rounds once, as the reference's `y.float() + delta` rounded;
+every element within 2^-8 of its value (a half ulp, 2^-9, is the rounding; the other half covers
+a float32 sum landing on the other side of a rounding boundary), plus 1e-5 absolute where y and the
+delta cancel. Stacks in bfloat16 (a bfloat16 model's, widened as
+the kernel reads them): the definition runs on the same rounded weights, so the same bounds hold."""
 
 from __future__ import annotations
 
@@ -72,14 +73,18 @@ def test_kernels_build_here():
     assert hasattr(load(), "lora_add_runs")
 
 
+@pytest.mark.parametrize("stack_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("rows,n_in,sizes,rank", SHAPES)
 def test_lora_kernel_equals_definition(rows: int, n_in: int, sizes: list[int], rank: int, grouped: bool,
-                                       dtype: torch.dtype) -> None:
+                                       dtype: torch.dtype, stack_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + n_in + rank + grouped)
     slots = 4
     a, b, a_t, b_t, spans, part_cols = _stacks(gen, slots, n_in, sizes, rank)
+    if stack_dtype == torch.bfloat16:  # (a bfloat16 model's stacks: the definition on the same weights)
+        a, b, a_t, b_t = (w.to(stack_dtype) for w in (a, b, a_t, b_t))
+        a, b = a.float(), b.float()
     row_slots = _row_slots(gen, rows, slots, grouped)
     x = torch.randn(rows, n_in, generator=gen).to(dtype)
     y = torch.randn(rows, sum(sizes), generator=gen).to(dtype)
@@ -120,3 +125,5 @@ def test_lora_kernel_refuses_bad_runs() -> None:
     for runs in ([[2, 0, 4]], [[0, 2, 5]]):  # a slot past the stacks; rows past the batch
         with pytest.raises(RuntimeError, match="outside"):
             load().lora_add_runs(x, y, a_t, b_t, torch.tensor(runs), spans, part_cols)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        load().lora_add_runs(x, y, a_t, b_t.bfloat16(), torch.tensor([[0, 0, 4]]), spans, part_cols)
