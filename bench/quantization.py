@@ -84,7 +84,7 @@ def run(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> lis
 
 def teacher_forced_logprobs(eng: LLMEngine, prompt: list[int], text: list[int]) -> torch.Tensor:
     """log-softmax rows predicting each token of `text` after `prompt`, from one prefill of both."""
-    runner, captured = eng.runner, []
+    runner, captured = eng.executor, []
     original = runner.run
 
     def capture(inputs: Any) -> torch.Tensor | None:
@@ -180,7 +180,7 @@ def capacity(model: str) -> None:
     print("\nKV capacity in 1 GiB (block_size 16):")
     for name in ("bf16", "bf16 + fp8 KV"):
         eng = engine(model, name, kv_cache_memory_gb=1.0, max_num_seqs=100000)
-        blocks = eng.runner.num_kv_blocks
+        blocks = eng.executor.num_kv_blocks
         print(f"  {name:16s} {blocks} blocks = {blocks * 16} tokens = {blocks * 16 // 1024} sequences of 1,024 tokens")
         del eng
 
