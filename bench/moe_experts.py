@@ -1,11 +1,15 @@
-"""One mixture-of-experts layer's experts on the CPU: torch's grouped product (one call per
-projection, `streamer_kernels.grouped_gemm.grouped_mm`) against the reference, a loop over
-experts (`grouped_mm_ref`), on the same sorted rows.
+"""One mixture-of-experts layer's experts on the CPU, three ways on the same sorted rows: the
+fused kernel over packed weights (`streamer_kernels.grouped_gemm.moe_experts`: gate/up, SiLU-mul
+and down in one call, what the engine runs on the CPU), the unfused path it replaced (one grouped
+product per projection, `grouped_mm`, with the compiled SiLU-mul between them), and the
+reference, a loop over experts (`grouped_mm_ref`).
 
     python -m bench.moe_experts [--tokens 1 16 256 1024] [--experts 8] [--top-k 2] [--hidden 1024]
-                                [--inter 768] [--dtype float32] [--iters 20] [--threads N]
+                                [--inter 768] [--dtype float32|bfloat16] [--iters 20] [--threads N]
 
-Prints the median milliseconds of both projections of the layer for each token count.
+Prints the median milliseconds of the layer's experts (both projections and the activation) for
+each token count; the three run interleaved, one call each in turn, so that a neighbour's load
+falls on all of them alike.
 """
 
 from __future__ import annotations
@@ -15,17 +19,27 @@ import statistics
 import time
 
 import torch
-from streamer_kernels.grouped_gemm import grouped_mm, grouped_mm_ref
+from streamer_kernels.elementwise_cpu import silu_and_mul_cpu
+from streamer_kernels.grouped_gemm import (
+    grouped_mm,
+    grouped_mm_ref,
+    moe_experts,
+    moe_experts_packable,
+    pack_experts,
+)
 
 
-def median_ms(fn, iters: int) -> float:  # noqa: ANN001
-    fn()
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
+def median_ms(fns: list, iters: int) -> list[float]:  # noqa: ANN001
+    """Each function's median milliseconds, the functions called in turn."""
+    for fn in fns:
         fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(iters):
+        for fn, ts in zip(fns, times):
+            t = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t) * 1e3)
+    return [statistics.median(ts) for ts in times]
 
 
 def main() -> None:
@@ -47,20 +61,29 @@ def main() -> None:
     w2 = torch.randn(args.experts, args.hidden, args.inter, generator=gen).to(dtype)
     print(f"{args.experts} experts, top {args.top_k}, hidden {args.hidden}, intermediate {args.inter}, "
           f"{args.dtype}, {torch.get_num_threads()} threads")
-    print("tokens  grouped_ms  loop_ms  loop/grouped")
+    packed = pack_experts(w13, w2) if moe_experts_packable(dtype, w13.device) else None
+    if packed is None:
+        print("(no fused kernel for this dtype here: its column is blank)")
+    print("tokens  fused_ms  grouped_ms  loop_ms  grouped/fused")
     for tokens in args.tokens:
         chosen = torch.stack([torch.randperm(args.experts, generator=gen)[:args.top_k] for _ in range(tokens)])
-        counts = torch.bincount(chosen.flatten(), minlength=args.experts)
-        offs = counts.cumsum(0).to(torch.int32)
-        x = torch.randn(tokens * args.top_k, args.hidden, generator=gen).to(dtype)
-        h = torch.randn(tokens * args.top_k, args.inter, generator=gen).to(dtype)
+        flat = chosen.flatten()
+        rows = torch.argsort(flat, stable=True) // args.top_k
+        offs = torch.bincount(flat, minlength=args.experts).cumsum(0).to(torch.int32)
+        x = torch.randn(tokens, args.hidden, generator=gen).to(dtype)
 
-        def run(mm, x=x, h=h, offs=offs):  # noqa: ANN001, ANN202
-            return lambda: (mm(x, w13.transpose(1, 2), offs), mm(h, w2.transpose(1, 2), offs))
+        def unfused(mm, x=x, rows=rows, offs=offs):  # noqa: ANN001, ANN202
+            return lambda: mm(silu_and_mul_cpu(mm(x[rows], w13.transpose(1, 2), offs)), w2.transpose(1, 2), offs)
 
-        grouped, loop = median_ms(run(grouped_mm), args.iters), median_ms(run(grouped_mm_ref), args.iters)
-        print(f"{tokens:6d}  {grouped:10.3f}  {loop:7.3f}  {loop / grouped:11.2f}")
-
+        fns = [unfused(grouped_mm), unfused(grouped_mm_ref)]
+        if packed is not None:
+            fns.append(lambda x=x, rows=rows, offs=offs: moe_experts(x, rows, offs, packed))
+        with torch.inference_mode():  # as the engine runs
+            grouped, loop, *fused = median_ms(fns, args.iters)
+        if fused:
+            print(f"{tokens:6d}  {fused[0]:8.3f}  {grouped:10.3f}  {loop:7.3f}  {grouped / fused[0]:13.2f}")
+        else:
+            print(f"{tokens:6d}  {'':8}  {grouped:10.3f}  {loop:7.3f}")
 
 if __name__ == "__main__":
     main()

@@ -42,6 +42,12 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
                        torch::Tensor slot_mapping);
 // kernels/grouped_gemm.py: grouped_mm_ref (any float dtype; b may be a transposed view)
 torch::Tensor grouped_mm_rows(torch::Tensor a, torch::Tensor b, torch::Tensor offs);
+// kernels/grouped_gemm.py: moe_experts_ref (float32; bfloat16 where moe_experts_runs): the rows of x
+// picked by `rows` (int64, sorted by expert, `offs` [E] their running counts) through each expert's
+// gate/up, SiLU-mul and down, w13 and w2 packed by pack_experts. Returns [pairs, hidden] in x's dtype
+torch::Tensor moe_experts(torch::Tensor x, torch::Tensor rows, torch::Tensor offs, torch::Tensor w13,
+                          torch::Tensor w2);
+bool moe_experts_runs(torch::ScalarType dtype);
 // kernels/argmax.py: argmax_ref (float32 and bfloat16 rows)
 torch::Tensor argmax_rows(torch::Tensor logits);
 // kernels/nucleus.py: nucleus_threshold_ref (float32 weights, contiguous rows)

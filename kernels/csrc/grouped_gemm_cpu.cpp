@@ -9,12 +9,18 @@
 // expert's weights are streamed once, by one core. Columns are split only when there are fewer
 // experts than twice the threads, to keep every thread busy.
 #include "cpu_ops.h"
+#include "vec_cpu.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
+#include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <exception>
+#include <type_traits>
+#include <vector>
 
 torch::Tensor grouped_mm_rows(torch::Tensor a, torch::Tensor b, torch::Tensor offs) {
   TORCH_CHECK(a.dim() == 2 && b.dim() == 3 && a.size(1) == b.size(1), "grouped_mm_rows: a [N, K], b [E, K, M]");
@@ -42,4 +48,182 @@ torch::Tensor grouped_mm_rows(torch::Tensor a, torch::Tensor b, torch::Tensor of
     }
   });
   return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The whole experts' MLP of a mixture-of-experts layer in one call (kernels/grouped_gemm.py:
+// moe_experts_ref): for each expert's rows, gate/up, SiLU(gate) * up and down, over weights packed
+// once at load (kernels/grouped_gemm.py: pack_experts).
+//
+// Each product is a oneDNN micro-kernel (ATen's cpublas::brgemm: AMX tiles for bfloat16 where the
+// CPU has them, AVX-512 or AVX2 FMA for float32) on a block of at most kRowBlock rows of one expert
+// and one block of packed columns, so the packed block (at most 64 columns by K) stays in cache
+// across the expert's row blocks. Two passes, each over (column block, expert) tasks spread over
+// the threads, column block outermost so that each thread gets every expert's rows for its share
+// of the columns: gate/up then the activation into h [pairs, I], then down into y [pairs, H].
+//
+// Packed layout: w13 [E, NB1, Hp, 2 B1] (block j: gate columns j B1.. then the same up columns;
+// Hp = H padded to 32, the padded rows zero), w2 [E, NB2, Ip, B2] (Ip = NB1 B1, its rows past I
+// zero); bfloat16 as K pairs (the micro-kernels' VNNI layout: [K/2][N][2] flattened to [K/2][2N]).
+// Rounding follows the unfused path: gate and up rounded to the dtype as the grouped product
+// returns them, SiLU(gate) rounded before the multiply (as silu_and_mul), h and y in the dtype.
+namespace {
+
+namespace cpublas = at::native::cpublas;
+
+constexpr int64_t kRowBlock = 32;  // rows of one micro-kernel call
+
+template <typename T>
+constexpr bool kPairs = std::is_same_v<T, at::BFloat16>;
+
+inline vfloat rounded(vfloat v, float) { return v; }
+
+inline vfloat rounded(vfloat v, at::BFloat16) {  // the nearest bfloat16 (ties to even), as float32
+  vu32 u;
+  std::memcpy(&u, &v, sizeof u);
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  vfloat f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline void put(float* p, vfloat v) { vstore(p, v); }
+
+inline void put(at::BFloat16* p, vfloat v) {  // v already rounded: its top halves
+  vu32 u;
+  std::memcpy(&u, &v, sizeof u);
+  const vu16 h = __builtin_convertvector(u >> 16, vu16);
+  std::memcpy(p, &h, sizeof h);
+}
+
+// SiLU as elementwise_cpu.cpp's silu_and_mul computes it (below -80 through e^(g+8) e^-8).
+inline vfloat silu(vfloat g) {
+  constexpr float kExpMinus8 = 3.35462628e-4f;
+  const vint tiny = g < -80.f;
+  const vfloat e = vexp(tiny ? g + 8.f : -g);
+  return tiny ? g * e * kExpMinus8 : g / (1.f + e);
+}
+
+struct ExpertShape {
+  int64_t experts, pairs, hidden, hp, nb1, b1, ip, nb2, b2;
+};
+
+template <typename T>
+void run_experts(const ExpertShape& s, const std::vector<int64_t>& active, const int64_t* end, const T* a,
+                 const T* w13, const T* w2, T* h, T* y) {
+  const int64_t n_active = static_cast<int64_t>(active.size());
+  const auto first_row = [&](int64_t e) { return e ? end[e - 1] : 0; };
+  // Gate/up and the activation: task (column block j, expert).
+  at::parallel_for(0, s.nb1 * n_active, 1, [&](int64_t begin, int64_t stop) {
+    std::vector<float> c(kRowBlock * 2 * s.b1);
+    for (int64_t t = begin; t < stop; ++t) {
+      const int64_t j = t / n_active, e = active[t % n_active];
+      const T* b = w13 + (e * s.nb1 + j) * s.hp * 2 * s.b1;
+      for (int64_t m0 = first_row(e); m0 < end[e]; m0 += kRowBlock) {
+        const int64_t rows = std::min(kRowBlock, end[e] - m0);
+        cpublas::brgemm(rows, 2 * s.b1, s.hp, s.hp, 2 * s.b1, 2 * s.b1, false, a + m0 * s.hp, b, c.data(), kPairs<T>);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* gate = c.data() + r * 2 * s.b1;
+          T* out = h + (m0 + r) * s.ip + j * s.b1;
+          for (int64_t i = 0; i < s.b1; i += kW) {
+            const vfloat g = rounded(vload(gate + i), T{}), u = rounded(vload(gate + s.b1 + i), T{});
+            put(out + i, rounded(rounded(silu(g), T{}) * u, T{}));
+          }
+        }
+      }
+    }
+    cpublas::brgemm_release(kPairs<T>);
+  });
+  // Down: task (column block j, expert); the last block's columns past H are not written.
+  at::parallel_for(0, s.nb2 * n_active, 1, [&](int64_t begin, int64_t stop) {
+    std::vector<float> c(kRowBlock * s.b2);
+    for (int64_t t = begin; t < stop; ++t) {
+      const int64_t j = t / n_active, e = active[t % n_active];
+      const T* b = w2 + (e * s.nb2 + j) * s.ip * s.b2;
+      const int64_t col0 = j * s.b2, cols = std::min(s.b2, s.hidden - col0), whole = cols / kW * kW;
+      for (int64_t m0 = first_row(e); m0 < end[e]; m0 += kRowBlock) {
+        const int64_t rows = std::min(kRowBlock, end[e] - m0);
+        cpublas::brgemm(rows, s.b2, s.ip, s.ip, s.b2, s.b2, false, h + m0 * s.ip, b, c.data(), kPairs<T>);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* src = c.data() + r * s.b2;
+          T* out = y + (m0 + r) * s.hidden + col0;
+          for (int64_t i = 0; i < whole; i += kW) put(out + i, rounded(vload(src + i), T{}));
+          for (int64_t i = whole; i < cols; ++i) out[i] = static_cast<T>(src[i]);
+        }
+      }
+    }
+    cpublas::brgemm_release(kPairs<T>);
+  });
+}
+
+// Whether the micro-kernels take bfloat16 pairs here (oneDNN's ukernels in this torch and an
+// AVX-512 CPU): one small product, tried once.
+bool bf16_pairs_run() {
+  static const bool ok = [] {
+    try {
+      std::vector<at::BFloat16> a(32, 1.f), b(32 * 16, 1.f);
+      std::vector<float> c(16);
+      cpublas::brgemm(1, 16, 32, 32, 16, 16, false, a.data(), b.data(), c.data(), true);
+      cpublas::brgemm_release(true);
+      return c[0] == 32.f;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }();
+  return ok;
+}
+
+}  // namespace
+
+bool moe_experts_runs(torch::ScalarType dtype) {
+  return dtype == torch::kFloat32 || (dtype == torch::kBFloat16 && bf16_pairs_run());
+}
+
+torch::Tensor moe_experts(torch::Tensor x, torch::Tensor rows, torch::Tensor offs, torch::Tensor w13,
+                          torch::Tensor w2) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "moe_experts: x must be a CPU [tokens, hidden] tensor");
+  TORCH_CHECK(moe_experts_runs(dtype), "moe_experts: float32, or bfloat16 where the micro-kernels take it");
+  TORCH_CHECK(w13.scalar_type() == dtype && w2.scalar_type() == dtype && w13.dim() == 4 && w2.dim() == 4 &&
+                  w13.is_contiguous() && w2.is_contiguous(),
+              "moe_experts: w13 and w2 must be packed (pack_experts) in x's dtype");
+  TORCH_CHECK(rows.scalar_type() == torch::kInt64 && rows.dim() == 1, "moe_experts: rows must be int64 [pairs]");
+  const int64_t f = dtype == torch::kBFloat16 ? 2 : 1;  // K steps per packed row
+  ExpertShape s{};
+  s.experts = w13.size(0);
+  s.pairs = rows.size(0);
+  s.hidden = x.size(1);
+  s.nb1 = w13.size(1);
+  s.hp = w13.size(2) * f;
+  s.b1 = w13.size(3) / f / 2;
+  s.ip = s.nb1 * s.b1;
+  s.nb2 = w2.size(1);
+  s.b2 = w2.size(3) / f;
+  TORCH_CHECK(s.b1 > 0 && s.b1 % kW == 0 && w13.size(3) == 2 * s.b1 * f, "moe_experts: w13's blocks");
+  TORCH_CHECK(w2.size(0) == s.experts && w2.size(2) * f == s.ip && s.nb2 * s.b2 >= s.hidden && s.hp >= s.hidden,
+              "moe_experts: w2 [E, NB2, Ip, B2] must match w13 and x");
+  TORCH_CHECK(offs.dim() == 1 && offs.size(0) == s.experts, "moe_experts: offs [E]");
+  const auto ends = offs.to(torch::kInt64).contiguous();
+  const int64_t* end = ends.data_ptr<int64_t>();
+  std::vector<int64_t> active;
+  for (int64_t e = 0, start = 0; e < s.experts; start = end[e++]) {
+    TORCH_CHECK(start <= end[e], "moe_experts: offs must not decrease");
+    if (end[e] > start) active.push_back(e);
+  }
+  TORCH_CHECK(s.experts == 0 || end[s.experts - 1] == s.pairs, "moe_experts: offs must end at rows' length");
+  // The rows of every (token, expert) pair, expert by expert, padded with zero columns to Hp.
+  auto a = x.index_select(0, rows);
+  if (s.hp > s.hidden) a = at::constant_pad_nd(a, {0, s.hp - s.hidden});
+  a = a.contiguous();
+  auto h = torch::empty({s.pairs, s.ip}, x.options());
+  auto y = torch::empty({s.pairs, s.hidden}, x.options());
+  if (dtype == torch::kBFloat16) {
+    using T = at::BFloat16;
+    run_experts<T>(s, active, end, a.data_ptr<T>(), w13.data_ptr<T>(), w2.data_ptr<T>(), h.data_ptr<T>(),
+                   y.data_ptr<T>());
+  } else {
+    run_experts<float>(s, active, end, a.data_ptr<float>(), w13.data_ptr<float>(), w2.data_ptr<float>(),
+                       h.data_ptr<float>(), y.data_ptr<float>());
+  }
+  return y;
 }

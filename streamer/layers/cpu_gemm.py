@@ -48,10 +48,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def pack_model(model: nn.Module, batch_hint: int) -> int:
-    """Pack every layer that has a `packed` slot; frees the dense copy unless it is shared
-    (tied embeddings). Returns how many layers were packed."""
+    """Pack every layer that has a `packed` slot, and those that pack themselves
+    (`pack_for_cpu`); frees the dense copy unless it is shared (tied embeddings). Returns how
+    many layers were packed."""
     count = 0
     for module in model.modules():
+        if hasattr(module, "pack_for_cpu"):  # a layer with its own packed layout (layers/moe.py's experts)
+            count += module.pack_for_cpu()
+            continue
         if not hasattr(module, "packed") or module.packed is not None:
             continue
         module.packed = pack(module.weight, batch_hint)

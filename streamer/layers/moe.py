@@ -5,9 +5,11 @@ The experts' weights are stacked: `w13` `[E, 2 * I, H]` (each expert's gate rows
 rows) and `w2` `[E, H, I]`. A step's (token, expert) pairs are sorted by expert, so each expert's
 tokens are one contiguous segment, and each projection is one grouped product over all experts
 (kernels/grouped_gemm.py); each output row, times its routing weight, is added back to its
-token. With tensor parallelism every rank holds every expert with its own slice of the
-intermediate dimension I (as vLLM splits it): gate/up rows and down columns, and the layer's
-output is all-reduced, like a dense MLP's.
+token. On the CPU the model runner packs the experts once (`Experts.pack_for_cpu`, beside the
+dense layers' oneDNN packing) and the whole gate/up, SiLU-mul and down is one compiled call per
+layer (kernels/grouped_gemm.py: moe_experts). With tensor parallelism every rank holds every
+expert with its own slice of the intermediate dimension I (as vLLM splits it): gate/up rows and
+down columns, and the layer's output is all-reduced, like a dense MLP's.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from streamer_kernels.grouped_gemm import grouped_mm
+from streamer_kernels.grouped_gemm import grouped_mm, moe_experts, moe_experts_packable, pack_experts
 from torch import nn
 
 from streamer.attention.backend import AttentionBackend
@@ -58,6 +60,7 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.per_rank), requires_grad=False)
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
         self.backend = backend
+        self.packed_experts: tuple[torch.Tensor, torch.Tensor] | None = None  # pack_for_cpu's (w13, w2)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: tuple[int, int]) -> None:
         """`shard_id` (expert, part): part 0 gate, 1 up (rows of w13), 2 down (w2)."""
@@ -69,6 +72,16 @@ class Experts(nn.Module):
             param.data[expert, part * self.per_rank:(part + 1) * self.per_rank].copy_(
                 narrow(loaded, 0, start, self.per_rank))
 
+    def pack_for_cpu(self) -> bool:
+        """The weights in the compiled kernel's packed layout, the stacked copies dropped (as the
+        dense layers drop theirs for oneDNN's); False where the kernel does not run them."""
+        if self.packed_experts is not None or not moe_experts_packable(self.w13.dtype, self.w13.device):
+            return False
+        self.packed_experts = pack_experts(self.w13.data, self.w2.data)
+        self.w13.data = torch.empty(0, dtype=self.w13.dtype)
+        self.w2.data = torch.empty(0, dtype=self.w2.dtype)
+        return True
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Sum over each token's experts of weight * expert(x), this rank's share of it."""
         k = experts.shape[1]
@@ -76,8 +89,11 @@ class Experts(nn.Module):
         order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert, tokens in order
         rows = order // k
         offs = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
-        h = self.backend.silu_and_mul(grouped_mm(x[rows], self.w13.transpose(1, 2), offs))
-        y = grouped_mm(h, self.w2.transpose(1, 2), offs)
+        if self.packed_experts is not None:
+            y = moe_experts(x, rows, offs, self.packed_experts)
+        else:
+            h = self.backend.silu_and_mul(grouped_mm(x[rows], self.w13.transpose(1, 2), offs))
+            y = grouped_mm(h, self.w2.transpose(1, 2), offs)
         y = (y * weights.flatten()[order, None]).to(x.dtype)
         # Each token's contributions are added in expert order, as transformers adds them.
         return torch.zeros_like(x).index_add_(0, rows, y)

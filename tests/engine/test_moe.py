@@ -15,6 +15,7 @@ from streamer_kernels.grouped_gemm import grouped_mm, grouped_mm_ref
 
 from streamer import LLM, SamplingParams
 from streamer.attention.torch_backend import TorchBackend
+from streamer.layers.cpu_gemm import pack_model
 from streamer.layers.moe import Experts
 from streamer.random_checkpoint import build_checkpoint
 
@@ -37,16 +38,23 @@ def test_grouped_mm_matches_the_product_per_expert(counts: list[int], dtype: tor
     assert rel_err(grouped_mm_ref(a, w.transpose(1, 2), offs), ref) < tol
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["stacked", "packed"])
 @pytest.mark.parametrize("tokens, top_k", [(1, 2), (37, 2), (64, 3)])
-def test_experts_sum_each_tokens_experts(tokens: int, top_k: int) -> None:
+def test_experts_sum_each_tokens_experts(tokens: int, top_k: int, packed: bool) -> None:
     """The grouped computation against its definition, token by token: sum over the token's
-    choices of weight * down(silu(gate(x)) * up(x))."""
+    choices of weight * down(silu(gate(x)) * up(x)); packed: as the model runner leaves the
+    layer on the CPU (pack_model: the compiled fused kernel over packed weights, the stacked
+    copies dropped)."""
     gen = torch.Generator().manual_seed(tokens)
     num_experts, hidden, inter = 6, 32, 24
     experts = Experts(num_experts, hidden, inter, TorchBackend())
     with torch.no_grad():
         experts.w13.copy_(torch.randn(num_experts, 2 * inter, hidden, generator=gen) * 0.2)
         experts.w2.copy_(torch.randn(num_experts, hidden, inter, generator=gen) * 0.2)
+    w13, w2 = experts.w13.detach().clone(), experts.w2.detach().clone()
+    if packed:
+        assert pack_model(experts, batch_hint=64) == 1 and experts.packed_experts is not None
+        assert experts.w13.numel() == 0 and experts.w2.numel() == 0
     x = torch.randn(tokens, hidden, generator=gen)
     chosen = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=gen)
@@ -54,9 +62,10 @@ def test_experts_sum_each_tokens_experts(tokens: int, top_k: int) -> None:
     for t in range(tokens):
         for j in range(top_k):
             e = int(chosen[t, j])
-            gate, up = (experts.w13[e] @ x[t]).chunk(2)
-            want[t] += weights[t, j] * (experts.w2[e] @ (torch.nn.functional.silu(gate) * up))
-    assert rel_err(experts(x, weights, chosen), want) < 1e-6
+            gate, up = (w13[e] @ x[t]).chunk(2)
+            want[t] += weights[t, j] * (w2[e] @ (torch.nn.functional.silu(gate) * up))
+    with torch.inference_mode():
+        assert rel_err(experts(x, weights, chosen), want) < 1e-6
 
 
 def _transformers_routes(ckpt: Path, prompt: list[int]) -> list[torch.Tensor]:
