@@ -68,7 +68,9 @@ ALSO_COPY = ("docs",)
 @dataclass(frozen=True)
 class Target:
     path: str  # the module to mutate, relative to the repo root
-    tests: tuple[str, ...]  # test files (globs) that exercise it and run in seconds; missing ones are skipped
+    # Test files (globs) that exercise it and run in seconds; missing ones are skipped. `file::test`
+    # picks one test of a file whose other tests are slow (a model, a Redis restart).
+    tests: tuple[str, ...]
 
 
 ENGINE_TESTS = ("tests/engine/test_block_manager.py", "tests/engine/test_scheduler*.py",
@@ -128,9 +130,11 @@ TARGETS: dict[str, Target] = {
     # with real workers on the tiny Llama (test_worker_deliveries, _bad_input, test_dead_letters) took
     # 10 min for mutmut's two clean runs alone, before any of job's 642 mutants.
     "job": Target("workers/worker/job.py", ("tests/worker/test_job_runner.py",)),
-    # Reads, refusals, bursts, shards, claims: test_intake.py; each job's way in: test_job_runner.py
-    # (both on a scripted engine, seconds).
-    "intake": Target("workers/worker/intake.py", ("tests/worker/test_intake.py", "tests/worker/test_job_runner.py")),
+    # Reads, refusals, bursts, shards, claims: test_intake.py; each job's way in: test_job_runner.py;
+    # the seats interactive jobs take from batch lines (the read loop's `urgent`): test_batch_seats.py
+    # (all on a scripted engine, seconds).
+    "intake": Target("workers/worker/intake.py", ("tests/worker/test_intake.py", "tests/worker/test_job_runner.py",
+                                                  "tests/worker/test_batch_seats.py")),
     # test_adoption.py: jobs routed to a dead or stalled worker taken over, a dead worker's stream removed.
     "reclaim": Target("workers/worker/reclaim.py", ("tests/worker/test_adoption.py",
                                                     "tests/worker/test_worker_deliveries.py",
@@ -140,8 +144,14 @@ TARGETS: dict[str, Target] = {
                                                          "tests/gateway/test_gateway_limits.py")),
     "tenants": Target("workers/gateway/tenants.py", ("tests/gateway/test_tenant_rules.py",
                                                      "tests/gateway/test_gateway_tenants.py")),
-    "session": Target("workers/gateway/session.py", ("tests/gateway/test_gateway.py",
-                                                     "tests/gateway/test_gateway_limits.py")),
+    # test_session.py: each frame's answer, exactly; the tenants' namespaced ids, the relay's counters
+    # and time to first token, the `status` frames (test_progress.py's two tests without a model).
+    "session": Target("workers/gateway/session.py", ("tests/gateway/test_session.py", "tests/gateway/test_gateway.py",
+                                                     "tests/gateway/test_gateway_limits.py",
+                                                     "tests/gateway/test_gateway_tenants.py",
+                                                     "tests/gateway/test_gateway_metrics.py",
+                                                     "tests/clients/test_progress.py::test_queued_jobs_learn_their_place_and_only_when_they_ask",
+                                                     "tests/clients/test_progress.py::test_resume_says_which_events_are_replayed")),
     "openai_routes": Target("workers/gateway/openai/routes.py", ("tests/gateway/test_openai_api.py",)),
     # Streamed (SSE) and whole answers and their resumes, split out of routes.py.
     "openai_answers": Target("workers/gateway/openai/answers.py", ("tests/gateway/test_openai_api.py",
@@ -161,7 +171,8 @@ def test_files(target: Target, rev: str | None = None) -> list[str]:
                                   capture_output=True, text=True).stdout.split()
     files: list[str] = []
     for pattern in target.tests:
-        files += [f for f in sorted(existing) if fnmatch.fnmatch(f, pattern) and f not in files]
+        glob, sep, test = pattern.partition("::")
+        files += [f + sep + test for f in sorted(existing) if fnmatch.fnmatch(f, glob) and f + sep + test not in files]
     return files
 
 

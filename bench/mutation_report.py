@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.mutation_equivalents import equivalent
+
 # mutmut's exit-code verdicts, folded into the table's columns. A crash (SIGKILL at the CPU limit,
 # "segfault" in mutmut's words) counts as a timeout: the tests did not pass.
 COLUMNS = ("mutants", "killed", "survived", "no tests", "timeout", "suspicious")
@@ -98,14 +100,21 @@ def write_doc(doc: Path, rows: list[str]) -> None:
 
 
 def survivors(name: str, work: Path, path: str) -> None:
-    """Every mutant of the last run in `work` that no test failed on, as a diff against the real source."""
+    """Every mutant of the last run in `work` that no test failed on, as a diff against the real source;
+    those listed in bench/mutation_equivalents.py say why they are equivalent."""
     res = run_mutmut(work, "results", capture_output=True, text=True)
     found = [ln.strip().rsplit(": ", 1) for ln in res.stdout.splitlines() if ": " in ln]
     left = [(m, status) for m, status in found if status in ("survived", "no tests", "suspicious")]
-    print(f"\n#### {name}: {len(left)} mutants not killed ({path})")
+    shown, listed = [], 0
     for m, status in left:
         diff = run_mutmut(work, "show", m, capture_output=True, text=True).stdout
-        print(f"\n# {m} ({status})\n{diff.split(chr(10), 1)[1] if diff.startswith('#') else diff}".rstrip())
+        diff = diff.split(chr(10), 1)[1] if diff.startswith("#") else diff
+        why = equivalent(name, m, diff) if status == "survived" else None
+        listed += why is not None
+        shown.append(f"\n# {m} ({status}{'; equivalent: ' + why if why else ''})\n{diff}".rstrip())
+    print(f"\n#### {name}: {len(left)} mutants not killed, {listed} of them listed as equivalent ({path})")
+    for text in shown:
+        print(text)
 
 
 def check(name: str, work: Path, mutant: str) -> int:

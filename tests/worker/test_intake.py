@@ -6,11 +6,13 @@ scripted (tests/scripted_engine.py); Redis and the worker are real."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 import anyio
 import pytest
 import redis
+import redis.asyncio as aioredis
 from redis_worker_helpers import check_complete, dead_letters, has_ended, read_events, wait_for
 from scripted_engine import ScriptedEngine, answer, scripted_worker
 
@@ -41,7 +43,37 @@ async def test_a_read_redis_refuses_is_logged_and_retried(redis_url: str, caplog
         await wait_for(lambda: ended(redis_url, "waits"), timeout=10)
     assert check_complete(read_events(redis_url, "waits"))["type"] == "done"
     assert not any("consumer group missing" in m for m in caplog.messages)
+    # The read's backoff says what failed, and when reads work again, under its own name.
+    assert any(m.startswith("read: Redis unavailable (ResponseError: WRONGTYPE") for m in caplog.messages)
+    assert any(re.fullmatch(r"read: Redis reachable again after \d+ failed attempt\(s\)", m) for m in caplog.messages)
     r.close()
+
+
+async def _drop_blocked_reads(r: aioredis.Redis) -> None:
+    """CLIENT KILL each connection blocked in XREADGROUP (the worker's read waiting for a job)."""
+    for client in await r.client_list():
+        if client["cmd"] == "xreadgroup" and "b" in client["flags"]:
+            await r.client_kill_filter(_id=client["id"])
+
+
+@pytest.mark.anyio
+async def test_a_read_whose_connection_keeps_dropping_is_retried(redis_url: str,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """The worker's waiting read loses its connection again and again (redis-py's own retries run out):
+    the read loop backs off, says why, and serves the next job once reads go through."""
+    caplog.set_level(logging.INFO, logger="streamer.worker")
+    engine = ScriptedEngine({"p": [answer()]})
+    r = aioredis.Redis.from_url(redis_url)
+    async with scripted_worker(engine, redis_url, block_ms=2000), AsyncClient(redis_url) as client:
+        with anyio.fail_after(10):
+            while not any(m.startswith("read: Redis unavailable (ConnectionError") for m in caplog.messages):
+                await _drop_blocked_reads(r)
+                await anyio.sleep(0.005)
+        await client.submit("p", id="after", params=GREEDY)
+        await wait_for(lambda: ended(redis_url, "after"), timeout=10)
+    await r.aclose()
+    assert [c.request_id for c in engine.calls] == ["after"]
+    assert any(m.startswith("read: Redis reachable again after ") for m in caplog.messages)
 
 
 @pytest.mark.anyio
@@ -85,6 +117,27 @@ async def test_each_shard_of_a_cluster_has_its_reader(one_node_cluster_url: str)
 
 
 @pytest.mark.anyio
+async def test_the_readers_of_a_clusters_shards_share_the_engines_room(one_node_cluster_url: str) -> None:
+    """Six jobs wait in each of two shards when the worker starts; the engine admits eight. Each shard's
+    reader takes its half (four), not eight. One may read again before the other's four are counted
+    (half of what it sees left: two), so at most ten enter before the first are admitted (1.5 s after
+    they entered); a reader taking the whole room would take its shard's six, twelve in all."""
+    names = Names(shards=2, cluster=True)
+    engine = ScriptedEngine({"p": [[1.5, *answer()]]})
+    ids = [f"job-{i:02d}" for i in range(12)]
+    assert [sum(names.stream_for(rid) == s for rid in ids) for s in names.request_streams] == [6, 6]
+    async with AsyncClient(one_node_cluster_url, names=names) as client:
+        for rid in ids:
+            await client.submit("p", id=rid, params=GREEDY)
+        async with scripted_worker(engine, one_node_cluster_url, names=names, block_ms=100):
+            await wait_for(lambda: len(engine.calls) >= 8, timeout=10)
+            await anyio.sleep(0.5)
+            assert len(engine.calls) <= 10
+            await wait_for(lambda: ended(one_node_cluster_url, *ids, names=names), timeout=15)
+    assert sorted(c.request_id for c in engine.calls) == ids
+
+
+@pytest.mark.anyio
 async def test_a_burst_enters_the_engine_together(redis_url: str) -> None:
     """A job read alone waits `read_linger_ms` for the rest of its burst: one pushed 0.3 s later still
     enters the engine with it, not 0.3 s after."""
@@ -98,6 +151,60 @@ async def test_a_burst_enters_the_engine_together(redis_url: str) -> None:
     first, second = sorted(engine.calls, key=lambda c: c.at)
     assert first.at - pushed >= 0.7  # it waited for the burst
     assert second.at - first.at < 0.15, second.at - first.at
+
+
+@pytest.mark.anyio
+async def test_a_full_read_enters_the_engine_at_once(redis_url: str) -> None:
+    """Eight jobs waiting when the worker starts fill its first read (the engine admits eight): that
+    read has no burst to wait for, so none of them waits `read_linger_ms`."""
+    engine = ScriptedEngine({"p": [answer()]})
+    ids = [f"job-{i}" for i in range(8)]
+    async with AsyncClient(redis_url) as client:
+        for rid in ids:
+            await client.submit("p", id=rid, params=GREEDY)
+        async with scripted_worker(engine, redis_url, read_linger_ms=1000):
+            ready = time.monotonic()
+            await wait_for(lambda: ended(redis_url, *ids), timeout=10)
+    assert sorted(c.request_id for c in engine.calls) == ids
+    assert max(c.at for c in engine.calls) - ready < 0.5
+
+
+@pytest.mark.anyio
+async def test_an_idle_worker_waits_for_a_burst_only_after_reading_a_job(redis_url: str) -> None:
+    """Reads that find nothing are not followed by `read_linger_ms`: a job pushed while the worker idles
+    is read at once by the waiting read and then waits the linger for the rest of its burst, the
+    second one as the first (a linger after each empty read would pick it up early, at its end)."""
+    engine = ScriptedEngine({"p": [answer()]})
+    waits = []
+    async with scripted_worker(engine, redis_url, read_linger_ms=1000, block_ms=50), \
+            AsyncClient(redis_url) as client:
+        for rid in ("one", "two"):
+            await anyio.sleep(0.5)  # idle: reads that find nothing
+            pushed = time.monotonic()
+            await client.submit("p", id=rid, params=GREEDY)
+            await wait_for(lambda rid=rid: ended(redis_url, rid), timeout=10)
+            waits.append(engine.calls[-1].at - pushed)
+    assert [c.request_id for c in engine.calls] == ["one", "two"]
+    assert min(waits) >= 0.9, waits
+
+
+@pytest.mark.anyio
+async def test_the_rest_of_a_burst_is_read_only_up_to_the_engines_room(redis_url: str) -> None:
+    """A job read alone waits for its burst; nine more arrive meanwhile. The engine admits eight, one of
+    them taken: the read at the end of the linger takes seven, the last two wait until the first jobs
+    are admitted (each is, at its first output, 1.5 s after it entered)."""
+    engine = ScriptedEngine({"p": [[1.5, *answer()]]})
+    ids = [f"job-{i}" for i in range(10)]
+    async with scripted_worker(engine, redis_url, read_linger_ms=500), AsyncClient(redis_url) as client:
+        await client.submit("p", id=ids[0], params=GREEDY)
+        await anyio.sleep(0.15)
+        for rid in ids[1:]:
+            await client.submit("p", id=rid, params=GREEDY)
+        await wait_for(lambda: len(engine.calls) >= 8, timeout=10)
+        await anyio.sleep(0.5)  # still before the first of them is admitted
+        assert len(engine.calls) == 8
+        await wait_for(lambda: ended(redis_url, *ids), timeout=15)
+    assert sorted(c.request_id for c in engine.calls) == sorted(ids)
 
 
 @pytest.mark.anyio
