@@ -150,7 +150,7 @@ async def test_a_burst_enters_the_engine_together(redis_url: str) -> None:
         await wait_for(lambda: ended(redis_url, "first", "second"), timeout=10)
     first, second = sorted(engine.calls, key=lambda c: c.at)
     assert first.at - pushed >= 0.7  # it waited for the burst
-    assert second.at - first.at < 0.15, second.at - first.at
+    assert second.at - first.at < 0.5, second.at - first.at  # not read apart: that would be 0.3 s + 0.8 s
 
 
 @pytest.mark.anyio
@@ -162,11 +162,11 @@ async def test_a_full_read_enters_the_engine_at_once(redis_url: str) -> None:
     async with AsyncClient(redis_url) as client:
         for rid in ids:
             await client.submit("p", id=rid, params=GREEDY)
-        async with scripted_worker(engine, redis_url, read_linger_ms=1000):
+        async with scripted_worker(engine, redis_url, read_linger_ms=2000):
             ready = time.monotonic()
             await wait_for(lambda: ended(redis_url, *ids), timeout=10)
     assert sorted(c.request_id for c in engine.calls) == ids
-    assert max(c.at for c in engine.calls) - ready < 0.5
+    assert max(c.at for c in engine.calls) - ready < 1.5  # a linger would make it 2 s
 
 
 @pytest.mark.anyio
