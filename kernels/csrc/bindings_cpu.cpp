@@ -23,6 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (CPU)");
   m.def("int8_linear", &int8_linear, "weight-only int8 linear layer (CPU, AVX-512 VNNI)", py::arg("x"),
         py::arg("packed"), py::arg("scale"), py::arg("bias"), py::arg("out_features"));
+  m.def("int8_linear_tile_unit", &int8_linear_tile_unit, "whether int8_linear runs this x on AMX (CPU)");
   m.def("lora_add_runs", &lora_add_runs, "multi-LoRA shrink and expand of every run of rows, into y (CPU)",
         py::arg("x"), py::arg("y"), py::arg("a_t"), py::arg("b_t"), py::arg("runs"), py::arg("spans"),
         py::arg("part_cols"));

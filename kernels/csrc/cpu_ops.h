@@ -57,6 +57,9 @@ torch::Tensor nucleus_weights_rows(torch::Tensor logits, torch::Tensor temperatu
                                    torch::Tensor min_p);
 // kernels/int8_gemm.py: int8_linear_ref, x rounded to int16 per row (int8_linear_kernel_arith_ref);
 // `packed` in pack_int8_weight's layout, `scale` float32 [out_features]
+// Whether int8_linear runs x on the tile unit (AMX, bfloat16 x of 16+ rows and an even width): there x
+// is not rounded to int16 (int8_linear_ref's arithmetic, sums in float32).
+bool int8_linear_tile_unit(torch::Tensor x);
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, std::optional<torch::Tensor> bias,
                           int64_t out_features);
 // kernels/lora.py: lora_delta_ref, added into y in place (float32 sums, rounded once into y's

@@ -8,6 +8,7 @@
 // ATen's single-threaded product (inside a parallel region ATen does not nest threads), so each
 // expert's weights are streamed once, by one core. Columns are split only when there are fewer
 // experts than twice the threads, to keep every thread busy.
+#include "brgemm_cpu.h"
 #include "cpu_ops.h"
 #include "vec_cpu.h"
 
@@ -18,7 +19,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <exception>
 #include <type_traits>
 #include <vector>
 
@@ -154,23 +154,6 @@ void run_experts(const ExpertShape& s, const std::vector<int64_t>& active, const
     }
     cpublas::brgemm_release(kPairs<T>);
   });
-}
-
-// Whether the micro-kernels take bfloat16 pairs here (oneDNN's ukernels in this torch and an
-// AVX-512 CPU): one small product, tried once.
-bool bf16_pairs_run() {
-  static const bool ok = [] {
-    try {
-      std::vector<at::BFloat16> a(32, 1.f), b(32 * 16, 1.f);
-      std::vector<float> c(16);
-      cpublas::brgemm(1, 16, 32, 32, 16, 16, false, a.data(), b.data(), c.data(), true);
-      cpublas::brgemm_release(true);
-      return c[0] == 32.f;
-    } catch (const std::exception&) {
-      return false;
-    }
-  }();
-  return ok;
 }
 
 }  // namespace

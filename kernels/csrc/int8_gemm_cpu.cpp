@@ -13,9 +13,20 @@
 // Packed layout (kernels/int8_gemm.py: pack_int8_weight): [N/16][K/2][16][2] int8, N padded to 16
 // and K to 2 with zeros: one 32-byte load holds 16 output channels times 2 inputs, which is what one
 // vpdpwssd lane pair needs. A block of 16 channels is contiguous, so each thread streams its own.
+//
+// On CPUs with AMX, bfloat16 x of kMinTileRows rows or more takes another way: the vpdpwssd tiles
+// are compute-bound from a few rows, where oneDNN's bfloat16 products on the tile unit are not. Each
+// group of 4 blocks is widened to bfloat16 (exact: every int8 is a bfloat16) into the pair layout
+// the tile unit reads, which is the packed layout with bfloat16 for int8, and multiplied by x as it
+// is (no rounding of x) with ATen's oneDNN micro-kernel; the channel scales apply to the float32 sums.
+// Widening costs what it costs whatever the rows: measured (2 threads, the built-in model's shapes)
+// 1.3-1.7x slower than vpdpwssd at 8 rows, 0.95-1.2x its speed at 16, 2-4.5x at 64
+// (bench/results/quantization.md), hence 16.
+#include "brgemm_cpu.h"
 #include "cpu_ops.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/cpu/Utils.h>
 #include <immintrin.h>
 
 #include <cstdint>
@@ -164,7 +175,55 @@ void rows_of_blocks(const int8_t* w, int64_t K2, const uint32_t* xq, const float
   }
 }
 
+#if defined(__AVX512BF16__)
+constexpr int64_t kMinTileRows = 16, kGroupBlocks = 4, kRowBlock = 32;
+
+// One k2 row of a block, 16 channels x 2 inputs of int8, as the same 32 values in bfloat16.
+inline void widen_pairs(const int8_t* src, at::BFloat16* dst) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(w)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(w, 1)));
+  _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+}
+
+// All rows of the blocks [b0, b0 + nb), a group of kGroupBlocks at a time: widened once into wb
+// ([K2][group channels][2], the micro-kernel's pair layout), then kRowBlock rows of x per product.
+void tile_unit_blocks(const at::BFloat16* x, int64_t ldx, int64_t M, const int8_t* w, int64_t K2, const float* scale,
+                      const float* bias, int64_t b0, int64_t nb, int64_t n_total, at::BFloat16* out,
+                      std::vector<at::BFloat16>& wb, std::vector<float>& c) {
+  for (int64_t g = b0; g < b0 + nb; g += kGroupBlocks) {
+    const int64_t blocks = std::min(kGroupBlocks, b0 + nb - g), N = blocks * kBlock;
+    wb.resize(K2 * N * 2);
+    for (int64_t k2 = 0; k2 < K2; ++k2)
+      for (int64_t b = 0; b < blocks; ++b)
+        widen_pairs(w + ((g + b) * K2 + k2) * 2 * kBlock, wb.data() + (k2 * N + b * kBlock) * 2);
+    for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, M - m0);
+      c.resize(rows * N);
+      at::native::cpublas::brgemm(rows, N, 2 * K2, ldx, N, N, false, x + m0 * ldx, wb.data(), c.data(), true);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t n = (g + b) * kBlock;
+          store_block(c.data() + r * N + b * kBlock, 1.0f, scale, bias, n, std::min(kBlock, n_total - n),
+                      out + (m0 + r) * n_total);
+        }
+    }
+  }
+}
+
+// Whether bfloat16 x of M rows and K inputs takes the tile unit (K even: the products read x's K
+// columns as K/2 pairs, with no padding column).
+bool tile_unit_runs(const torch::Tensor& x) {
+  static const bool amx = at::cpu::init_amx() && bf16_pairs_run();
+  return amx && x.scalar_type() == at::kBFloat16 && x.size(0) >= kMinTileRows && x.size(1) % 2 == 0;
+}
+#else
+bool tile_unit_runs(const torch::Tensor&) { return false; }
+#endif
+
 }  // namespace
+
+bool int8_linear_tile_unit(torch::Tensor x) { return tile_unit_runs(x); }
 
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, std::optional<torch::Tensor> bias,
                           int64_t out_features) {
@@ -186,12 +245,26 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   }
   auto out = torch::empty({M, out_features}, x.options());
   if (M == 0) return out;
-  std::vector<uint32_t> xq;
-  std::vector<float> row_scale;
-  quantize_rows(x, K2, xq, row_scale);
   const int8_t* w = packed.data_ptr<int8_t>();
   const float* s = scale.data_ptr<float>();
   const float* b = bias ? bias_f.data_ptr<float>() : nullptr;
+#if defined(__AVX512BF16__)
+  if (tile_unit_runs(x)) {
+    const auto* xp = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
+    auto* op = reinterpret_cast<at::BFloat16*>(out.data_ptr());
+    at::parallel_for(0, (blocks + kGroupBlocks - 1) / kGroupBlocks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<at::BFloat16> wb;
+      std::vector<float> c;
+      const int64_t b0 = begin * kGroupBlocks, nb = std::min(end * kGroupBlocks, blocks) - b0;
+      tile_unit_blocks(xp, x.stride(0), M, w, K2, s, b, b0, nb, out_features, op, wb, c);
+      at::native::cpublas::brgemm_release(true);
+    });
+    return out;
+  }
+#endif
+  std::vector<uint32_t> xq;
+  std::vector<float> row_scale;
+  quantize_rows(x, K2, xq, row_scale);
   // Threads take groups of 8 blocks (the widest tile), so tiles never straddle two threads.
   const int64_t groups = (blocks + 7) / 8;
   const auto run = [&](auto* o) {

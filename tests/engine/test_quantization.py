@@ -8,6 +8,9 @@ Tolerances (relative error ||out - ref|| / ||ref||):
   and up to 2.4e-6 beyond, where each 512-input chunk's int32 sum is rounded to float32 and the
   kernel's reciprocal of max|x| under -ffast-math can move an element of x by one int16 step),
   bfloat16 4e-3 (the one rounding of the output to bfloat16, 2^-9 per element, ~2^-10 on average).
+- On CPUs with AMX, bfloat16 x of 16+ rows (even widths) runs on the tile unit, x unrounded: the
+  definition's arithmetic up to float32 sum order, within the same bfloat16 bounds (its distance
+  from the int16 arithmetic, <= 2^-16 of a row's largest value, is far inside 4e-3).
 - kernel vs `int8_linear_ref` (the definition, x unrounded): float32 2e-4, bfloat16 1e-2. The int16
   rounding of x is at most 2^-16 of a row's largest value per element; random rows have a largest
   value ~3.5x their rms, which measured ~3e-5 in float32. A wrong channel, scale or block gives
@@ -35,7 +38,7 @@ from streamer_kernels.int8_gemm import (
 
 from streamer import LLM, SamplingParams
 from streamer.quantization.fp8 import Fp8Weight
-from streamer.quantization.int8 import KERNEL_MAX_ROWS, Int8Weight
+from streamer.quantization.int8 import KERNEL_MAX_ROWS, TILE_UNIT_MAX_ROWS, Int8Weight
 
 ARITH_TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-3}
 REF_TOL = {torch.float32: 2e-4, torch.bfloat16: 1e-2}
@@ -100,18 +103,40 @@ def test_int8_kernel_never_overflows_its_integer_sums() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_weight_kernel_rows_and_dense_rows(dtype: torch.dtype) -> None:
-    """Decode-sized inputs take the kernel, prefill-sized ones the dequantized GEMM: both the reference."""
+    """Decode-sized inputs take the kernel, prefill-sized ones the dequantized GEMM (bfloat16 rows on
+    AMX: the kernel's tile unit up to TILE_UNIT_MAX_ROWS): all the reference."""
     _kernel()
     gen = torch.Generator().manual_seed(4)
     w, b = torch.randn(96, 80, generator=gen), torch.randn(96, generator=gen).to(dtype)
     layer = Int8Weight.from_dense(w)
     assert layer.use_kernel and layer.weight.dtype == torch.int8 and layer.weight.numel() == 96 * 80
     q, scale = quantize_int8_ref(w)
-    for rows in (1, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 300):
+    for rows in (1, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 300, TILE_UNIT_MAX_ROWS + 1):
         x = torch.randn(rows, 80, generator=gen).to(dtype)
         assert _rel(layer.apply(x, b), int8_linear_ref(x, q, scale, b)) < REF_TOL[dtype]
     x3 = torch.randn(2, 3, 80, generator=gen).to(dtype)  # leading dimensions kept
     assert layer.apply(x3, None).shape == (2, 3, 96)
+
+
+def test_int8_tile_unit_takes_bfloat16_rows_where_the_cpu_has_amx() -> None:
+    """On a CPU with AMX, bfloat16 x of 16+ rows and an even width runs on the tile unit against the
+    weights widened to bfloat16: x unrounded, so within bfloat16's output rounding of the definition
+    (and no closer to the int16 arithmetic than that). Elsewhere, and for float32 x, fewer rows or an
+    odd width, the int16 path: the shapes above cover both on either kind of CPU."""
+    from streamer_kernels.cpu_features import cpu_flags
+    from streamer_kernels.int8_gemm_cpu import int8_linear_tile_unit
+
+    int8_linear_cpu = _kernel()
+    amx = {"amx_bf16", "amx_tile"} <= cpu_flags()
+    gen = torch.Generator().manual_seed(9)
+    for m, n, k in [(16, 70, 96), (40, 300, 1100), (300, 48, 64)]:
+        x, w = torch.randn(m, k, generator=gen).bfloat16(), torch.randn(n, k, generator=gen)
+        b = torch.randn(n, generator=gen).bfloat16()
+        q, scale = quantize_int8_ref(w)
+        assert int8_linear_tile_unit(x) == amx
+        assert _rel(int8_linear_cpu(x, pack_int8_weight(q), scale, b, n), int8_linear_ref(x, q, scale, b)) < 4e-3
+    for x in (torch.randn(16, 96), torch.randn(15, 96).bfloat16(), torch.randn(16, 95).bfloat16()):
+        assert not int8_linear_tile_unit(x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
