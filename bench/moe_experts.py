@@ -1,15 +1,15 @@
-"""One mixture-of-experts layer's experts on the CPU, three ways on the same sorted rows: the
-fused kernel over packed weights (`streamer_kernels.grouped_gemm.moe_experts`: gate/up, SiLU-mul
-and down in one call, what the engine runs on the CPU), the unfused path it replaced (one grouped
-product per projection, `grouped_mm`, with the compiled SiLU-mul between them), and the
-reference, a loop over experts (`grouped_mm_ref`).
+"""One mixture-of-experts layer's experts on the CPU, from the router's choices to each token's
+weighted sum, three ways on the same inputs: the fused kernel over packed weights
+(`streamer_kernels.grouped_gemm.moe_layer`: the sort by expert, gate/up, SiLU-mul, down and the
+weighted sum in one call, what the engine runs on the CPU), the unfused path it replaced (torch's
+sort, one grouped product per projection, `grouped_mm`, the compiled SiLU-mul between them, the
+weighting and `index_add_`), and the same with the reference's loop over experts (`grouped_mm_ref`).
 
     python -m bench.moe_experts [--tokens 1 16 256 1024] [--experts 8] [--top-k 2] [--hidden 1024]
                                 [--inter 768] [--dtype float32|bfloat16] [--iters 20] [--threads N]
 
-Prints the median milliseconds of the layer's experts (both projections and the activation) for
-each token count; the three run interleaved, one call each in turn, so that a neighbour's load
-falls on all of them alike.
+Prints the median milliseconds of the layer's experts for each token count; the three run
+interleaved, one call each in turn, so that a neighbour's load falls on all of them alike.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from streamer_kernels.elementwise_cpu import silu_and_mul_cpu
 from streamer_kernels.grouped_gemm import (
     grouped_mm,
     grouped_mm_ref,
-    moe_experts,
     moe_experts_packable,
+    moe_layer,
     pack_experts,
+    sort_by_expert,
 )
 
 
@@ -67,17 +68,19 @@ def main() -> None:
     print("tokens  fused_ms  grouped_ms  loop_ms  grouped/fused")
     for tokens in args.tokens:
         chosen = torch.stack([torch.randperm(args.experts, generator=gen)[:args.top_k] for _ in range(tokens)])
-        flat = chosen.flatten()
-        rows = torch.argsort(flat, stable=True) // args.top_k
-        offs = torch.bincount(flat, minlength=args.experts).cumsum(0).to(torch.int32)
+        weights = torch.rand(tokens, args.top_k, generator=gen)
         x = torch.randn(tokens, args.hidden, generator=gen).to(dtype)
 
-        def unfused(mm, x=x, rows=rows, offs=offs):  # noqa: ANN001, ANN202
-            return lambda: mm(silu_and_mul_cpu(mm(x[rows], w13.transpose(1, 2), offs)), w2.transpose(1, 2), offs)
+        def unfused(mm, x=x, chosen=chosen, weights=weights):  # noqa: ANN001, ANN202
+            def run() -> torch.Tensor:  # streamer/layers/moe.py's Experts.forward, unpacked
+                order, rows, offs = sort_by_expert(chosen, args.experts)
+                y = mm(silu_and_mul_cpu(mm(x[rows], w13.transpose(1, 2), offs)), w2.transpose(1, 2), offs)
+                return torch.zeros_like(x).index_add_(0, rows, (y * weights.flatten()[order, None]).to(dtype))
+            return run
 
         fns = [unfused(grouped_mm), unfused(grouped_mm_ref)]
         if packed is not None:
-            fns.append(lambda x=x, rows=rows, offs=offs: moe_experts(x, rows, offs, packed))
+            fns.append(lambda x=x, chosen=chosen, weights=weights: moe_layer(x, weights, chosen, packed))
         with torch.inference_mode():  # as the engine runs
             grouped, loop, *fused = median_ms(fns, args.iters)
         if fused:

@@ -7,7 +7,9 @@ with no rows is an empty segment); `b` `[E, K, M]`. Returns `[N, M]`.
 
 And the experts' whole MLP in one call (`moe_experts`, defined by `moe_experts_ref`): gate/up,
 SiLU-and-multiply and down for every expert's rows, over weights packed once at load
-(`pack_experts`); on the CPU, the compiled kernel (csrc/grouped_gemm_cpu.cpp).
+(`pack_experts`); `moe_layer` (defined by `moe_layer_ref`) adds the sort by expert before and the
+weighted sum of each token's experts after. On the CPU, the compiled kernel
+(csrc/grouped_gemm_cpu.cpp).
 """
 
 from __future__ import annotations
@@ -72,6 +74,28 @@ def moe_experts_ref(a: torch.Tensor, offs: torch.Tensor, w13: torch.Tensor, w2: 
     return grouped_mm_ref(h, w2.transpose(1, 2), offs)
 
 
+def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, rows, offs) of a step's (token, choice) pairs, `experts` `[T, k]` each token's expert
+    ids: `order` the pairs' flat indices grouped by expert (stable: tokens in order within an
+    expert), `rows` their tokens, `offs` `[E]` int32 the running counts, as `grouped_mm` takes them."""
+    flat = experts.flatten()
+    order = torch.argsort(flat, stable=True)
+    offs = torch.bincount(flat, minlength=num_experts).cumsum(0).to(torch.int32)
+    return order, order // experts.shape[1], offs
+
+
+def moe_layer_ref(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w13: torch.Tensor,
+                  w2: torch.Tensor) -> torch.Tensor:
+    """The definition of a layer's experts from the router's choices (`weights`, `experts` `[T, k]`):
+    each token's sum over its choices of weight * its expert's output (`moe_experts_ref`), the
+    weighted rows rounded to x's dtype, added in expert order (`index_add_`: in float32 for
+    bfloat16, rounded once)."""
+    order, rows, offs = sort_by_expert(experts, w13.shape[0])
+    y = moe_experts_ref(x[rows], offs, w13, w2)
+    y = (y * weights.flatten()[order, None]).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, rows, y)
+
+
 def moe_experts_packable(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether `moe_experts` runs packed weights of this dtype here (the CPU kernel: float32, and
     bfloat16 where this CPU and torch run oneDNN's bfloat16 micro-kernels, AVX-512 or AMX)."""
@@ -108,3 +132,10 @@ def moe_experts(x: torch.Tensor, rows: torch.Tensor, offs: torch.Tensor,
     """`moe_experts_ref(x[rows], offs, w13, w2)` with `packed = pack_experts(w13, w2)`, in one call
     of the compiled kernel (where `moe_experts_packable`)."""
     return load().moe_experts(x.contiguous(), rows, offs, *packed)
+
+
+def moe_layer(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+              packed: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """`moe_layer_ref(x, weights, experts, w13, w2)` with `packed = pack_experts(w13, w2)`: the
+    sort by expert, the experts and the weighted sum in one call of the compiled kernel."""
+    return load().moe_layer(x.contiguous(), weights, experts, *packed)

@@ -20,6 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_mm_rows", &grouped_mm_rows, "a mixture-of-experts grouped product, experts over threads (CPU)");
   m.def("moe_experts", &moe_experts, "a mixture-of-experts layer's experts, gate/up + SiLU-mul + down, packed weights (CPU)");
   m.def("moe_experts_runs", &moe_experts_runs, "whether moe_experts runs a dtype on this CPU");
+  m.def("moe_layer", &moe_layer, "a mixture-of-experts layer's experts from the router's choices, one call (CPU)");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (CPU)");
   m.def("int8_linear", &int8_linear, "weight-only int8 linear layer (CPU, AVX-512 VNNI)", py::arg("x"),
         py::arg("packed"), py::arg("scale"), py::arg("bias"), py::arg("out_features"));

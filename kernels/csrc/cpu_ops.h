@@ -48,6 +48,10 @@ torch::Tensor grouped_mm_rows(torch::Tensor a, torch::Tensor b, torch::Tensor of
 torch::Tensor moe_experts(torch::Tensor x, torch::Tensor rows, torch::Tensor offs, torch::Tensor w13,
                           torch::Tensor w2);
 bool moe_experts_runs(torch::ScalarType dtype);
+// kernels/grouped_gemm.py: moe_layer_ref: the whole experts' part of a layer, from each token's
+// expert ids and weights ([tokens, k]) to the weighted sum of its experts' outputs, in x's dtype
+torch::Tensor moe_layer(torch::Tensor x, torch::Tensor weights, torch::Tensor experts, torch::Tensor w13,
+                        torch::Tensor w2);
 // kernels/argmax.py: argmax_ref (float32 and bfloat16 rows)
 torch::Tensor argmax_rows(torch::Tensor logits);
 // kernels/nucleus.py: nucleus_threshold_ref (float32 weights, contiguous rows)

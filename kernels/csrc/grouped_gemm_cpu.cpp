@@ -108,9 +108,11 @@ struct ExpertShape {
   int64_t experts, pairs, hidden, hp, nb1, b1, ip, nb2, b2;
 };
 
+// y[p] = down(SiLU(gate(a[p])) * up(a[p])) times scale[p] (null: 1) for every pair p, the pairs of
+// expert e the rows end[e-1]..end[e] of a (`active`: the experts with rows).
 template <typename T>
 void run_experts(const ExpertShape& s, const std::vector<int64_t>& active, const int64_t* end, const T* a,
-                 const T* w13, const T* w2, T* h, T* y) {
+                 const T* w13, const T* w2, const float* scale, T* h, T* y) {
   const int64_t n_active = static_cast<int64_t>(active.size());
   const auto first_row = [&](int64_t e) { return e ? end[e - 1] : 0; };
   // Gate/up and the activation: task (column block j, expert).
@@ -145,10 +147,14 @@ void run_experts(const ExpertShape& s, const std::vector<int64_t>& active, const
         const int64_t rows = std::min(kRowBlock, end[e] - m0);
         cpublas::brgemm(rows, s.b2, s.ip, s.ip, s.b2, s.b2, false, h + m0 * s.ip, b, c.data(), kPairs<T>);
         for (int64_t r = 0; r < rows; ++r) {
+          // As the unfused path: y rounded to the dtype, times the pair's weight, rounded again
+          // (a weight of 1 changes nothing).
           const float* src = c.data() + r * s.b2;
+          const float w = scale ? scale[m0 + r] : 1.f;
           T* out = y + (m0 + r) * s.hidden + col0;
-          for (int64_t i = 0; i < whole; i += kW) put(out + i, rounded(vload(src + i), T{}));
-          for (int64_t i = whole; i < cols; ++i) out[i] = static_cast<T>(src[i]);
+          for (int64_t i = 0; i < whole; i += kW) put(out + i, rounded(rounded(vload(src + i), T{}) * w, T{}));
+          for (int64_t i = whole; i < cols; ++i)
+            out[i] = static_cast<T>(static_cast<float>(static_cast<T>(src[i])) * w);
         }
       }
     }
@@ -156,25 +162,54 @@ void run_experts(const ExpertShape& s, const std::vector<int64_t>& active, const
   });
 }
 
-}  // namespace
+inline vfloat load_float(const float* p) { return vload(p); }
 
-bool moe_experts_runs(torch::ScalarType dtype) {
-  return dtype == torch::kFloat32 || (dtype == torch::kBFloat16 && bf16_pairs_run());
+inline vfloat load_float(const at::BFloat16* p) {
+  vu16 bits;
+  std::memcpy(&bits, p, sizeof bits);
+  const vu32 w = __builtin_convertvector(bits, vu32) << 16;
+  vfloat f;
+  std::memcpy(&f, &w, sizeof f);
+  return f;
 }
 
-torch::Tensor moe_experts(torch::Tensor x, torch::Tensor rows, torch::Tensor offs, torch::Tensor w13,
-                          torch::Tensor w2) {
+// out[t] = the sum of token t's weighted pair rows y[pos[t k + j]] (pos ascending: expert order)
+// in float32, rounded once to the dtype: what zeros.index_add_(0, rows, y) computes (for bfloat16
+// torch sums in float32 too).
+template <typename T>
+void combine(const T* y, const int64_t* pos, int64_t tokens, int64_t k, int64_t hidden, T* out) {
+  const int64_t whole = hidden / kW * kW;
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t stop) {
+    for (int64_t t = begin; t < stop; ++t) {
+      const int64_t* p = pos + t * k;
+      T* o = out + t * hidden;
+      for (int64_t i = 0; i < whole; i += kW) {
+        vfloat acc = load_float(y + p[0] * hidden + i);
+        for (int64_t j = 1; j < k; ++j) acc += load_float(y + p[j] * hidden + i);
+        put(o + i, rounded(acc, T{}));
+      }
+      for (int64_t i = whole; i < hidden; ++i) {
+        float acc = static_cast<float>(y[p[0] * hidden + i]);
+        for (int64_t j = 1; j < k; ++j) acc += static_cast<float>(y[p[j] * hidden + i]);
+        o[i] = static_cast<T>(acc);
+      }
+    }
+  });
+}
+
+// The packed weights' blocks (pack_experts' layout), checked against x.
+ExpertShape packed_shape(const torch::Tensor& x, int64_t pairs, const torch::Tensor& w13, const torch::Tensor& w2) {
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "moe_experts: x must be a CPU [tokens, hidden] tensor");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1,
+              "moe_experts: x must be a CPU [tokens, hidden] tensor with contiguous rows");
   TORCH_CHECK(moe_experts_runs(dtype), "moe_experts: float32, or bfloat16 where the micro-kernels take it");
   TORCH_CHECK(w13.scalar_type() == dtype && w2.scalar_type() == dtype && w13.dim() == 4 && w2.dim() == 4 &&
                   w13.is_contiguous() && w2.is_contiguous(),
               "moe_experts: w13 and w2 must be packed (pack_experts) in x's dtype");
-  TORCH_CHECK(rows.scalar_type() == torch::kInt64 && rows.dim() == 1, "moe_experts: rows must be int64 [pairs]");
   const int64_t f = dtype == torch::kBFloat16 ? 2 : 1;  // K steps per packed row
   ExpertShape s{};
   s.experts = w13.size(0);
-  s.pairs = rows.size(0);
+  s.pairs = pairs;
   s.hidden = x.size(1);
   s.nb1 = w13.size(1);
   s.hp = w13.size(2) * f;
@@ -185,28 +220,100 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor rows, torch::Tensor off
   TORCH_CHECK(s.b1 > 0 && s.b1 % kW == 0 && w13.size(3) == 2 * s.b1 * f, "moe_experts: w13's blocks");
   TORCH_CHECK(w2.size(0) == s.experts && w2.size(2) * f == s.ip && s.nb2 * s.b2 >= s.hidden && s.hp >= s.hidden,
               "moe_experts: w2 [E, NB2, Ip, B2] must match w13 and x");
-  TORCH_CHECK(offs.dim() == 1 && offs.size(0) == s.experts, "moe_experts: offs [E]");
-  const auto ends = offs.to(torch::kInt64).contiguous();
-  const int64_t* end = ends.data_ptr<int64_t>();
+  return s;
+}
+
+// The experts on the pairs sorted by expert: rows[p] the token of pair p, ends the running counts
+// of the experts' pairs, scale[p] its weight (or null). Returns y [pairs, hidden].
+torch::Tensor experts_on_pairs(const torch::Tensor& x, const std::vector<int64_t>& rows,
+                               const std::vector<int64_t>& ends, const float* scale, const torch::Tensor& w13,
+                               const torch::Tensor& w2) {
+  const ExpertShape s = packed_shape(x, static_cast<int64_t>(rows.size()), w13, w2);
+  TORCH_CHECK(static_cast<int64_t>(ends.size()) == s.experts, "moe_experts: offs [E]");
   std::vector<int64_t> active;
-  for (int64_t e = 0, start = 0; e < s.experts; start = end[e++]) {
-    TORCH_CHECK(start <= end[e], "moe_experts: offs must not decrease");
-    if (end[e] > start) active.push_back(e);
+  for (int64_t e = 0, start = 0; e < s.experts; start = ends[e++]) {
+    TORCH_CHECK(start <= ends[e], "moe_experts: offs must not decrease");
+    if (ends[e] > start) active.push_back(e);
   }
-  TORCH_CHECK(s.experts == 0 || end[s.experts - 1] == s.pairs, "moe_experts: offs must end at rows' length");
-  // The rows of every (token, expert) pair, expert by expert, padded with zero columns to Hp.
-  auto a = x.index_select(0, rows);
-  if (s.hp > s.hidden) a = at::constant_pad_nd(a, {0, s.hp - s.hidden});
-  a = a.contiguous();
+  TORCH_CHECK(s.experts == 0 || ends.back() == s.pairs, "moe_experts: offs must end at the number of pairs");
+  for (const int64_t r : rows) TORCH_CHECK(0 <= r && r < x.size(0), "moe_experts: a row outside x");
+  // Every pair's row of x, expert by expert, padded with zero columns to Hp.
+  auto a = torch::empty({s.pairs, s.hp}, x.options());
   auto h = torch::empty({s.pairs, s.ip}, x.options());
   auto y = torch::empty({s.pairs, s.hidden}, x.options());
-  if (dtype == torch::kBFloat16) {
+  const int64_t size = x.element_size(), ld = x.stride(0);
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  char* ap = static_cast<char*>(a.data_ptr());
+  at::parallel_for(0, s.pairs, 16, [&](int64_t begin, int64_t stop) {
+    for (int64_t p = begin; p < stop; ++p) {
+      std::memcpy(ap + p * s.hp * size, xp + rows[p] * ld * size, s.hidden * size);
+      std::memset(ap + (p * s.hp + s.hidden) * size, 0, (s.hp - s.hidden) * size);
+    }
+  });
+  if (x.scalar_type() == torch::kBFloat16) {
     using T = at::BFloat16;
-    run_experts<T>(s, active, end, a.data_ptr<T>(), w13.data_ptr<T>(), w2.data_ptr<T>(), h.data_ptr<T>(),
-                   y.data_ptr<T>());
+    run_experts<T>(s, active, ends.data(), a.data_ptr<T>(), w13.data_ptr<T>(), w2.data_ptr<T>(), scale,
+                   h.data_ptr<T>(), y.data_ptr<T>());
   } else {
-    run_experts<float>(s, active, end, a.data_ptr<float>(), w13.data_ptr<float>(), w2.data_ptr<float>(),
-                       h.data_ptr<float>(), y.data_ptr<float>());
+    run_experts<float>(s, active, ends.data(), a.data_ptr<float>(), w13.data_ptr<float>(), w2.data_ptr<float>(),
+                       scale, h.data_ptr<float>(), y.data_ptr<float>());
   }
   return y;
+}
+
+}  // namespace
+
+bool moe_experts_runs(torch::ScalarType dtype) {
+  return dtype == torch::kFloat32 || (dtype == torch::kBFloat16 && bf16_pairs_run());
+}
+
+torch::Tensor moe_experts(torch::Tensor x, torch::Tensor rows, torch::Tensor offs, torch::Tensor w13,
+                          torch::Tensor w2) {
+  TORCH_CHECK(rows.scalar_type() == torch::kInt64 && rows.dim() == 1, "moe_experts: rows must be int64 [pairs]");
+  TORCH_CHECK(offs.dim() == 1, "moe_experts: offs [E]");
+  const auto r = rows.contiguous();
+  const auto o = offs.to(torch::kInt64).contiguous();
+  return experts_on_pairs(x, std::vector<int64_t>(r.data_ptr<int64_t>(), r.data_ptr<int64_t>() + r.numel()),
+                          std::vector<int64_t>(o.data_ptr<int64_t>(), o.data_ptr<int64_t>() + o.numel()), nullptr,
+                          w13, w2);
+}
+
+torch::Tensor moe_layer(torch::Tensor x, torch::Tensor weights, torch::Tensor experts, torch::Tensor w13,
+                        torch::Tensor w2) {
+  TORCH_CHECK(experts.scalar_type() == torch::kInt64 && experts.dim() == 2 && experts.size(0) == x.size(0) &&
+                  experts.size(1) > 0,
+              "moe_layer: experts must be int64 [tokens, k]");
+  TORCH_CHECK(weights.sizes() == experts.sizes(), "moe_layer: weights [tokens, k]");
+  const int64_t tokens = experts.size(0), k = experts.size(1), pairs = tokens * k, num_experts = w13.size(0);
+  const auto ids_t = experts.contiguous();
+  const auto w_t = weights.to(torch::kFloat32).contiguous();  // exact for bfloat16 weights
+  const int64_t* ids = ids_t.data_ptr<int64_t>();
+  const float* w = w_t.data_ptr<float>();
+  // The pairs sorted by expert, (token, choice) order within an expert: a stable counting sort, as
+  // the unfused path's stable argsort.
+  std::vector<int64_t> ends(num_experts, 0), rows(pairs), pos(pairs);
+  std::vector<float> scale(pairs);
+  for (int64_t p = 0; p < pairs; ++p) {
+    TORCH_CHECK(0 <= ids[p] && ids[p] < num_experts, "moe_layer: an expert id outside the packed experts");
+    ++ends[ids[p]];
+  }
+  std::vector<int64_t> next(num_experts, 0);
+  for (int64_t e = 1; e < num_experts; ++e) next[e] = next[e - 1] + ends[e - 1];
+  for (int64_t e = 0; e < num_experts; ++e) ends[e] += next[e];
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t q = next[ids[p]]++;
+    rows[q] = p / k;
+    scale[q] = w[p];
+    pos[p] = q;
+  }
+  for (int64_t t = 0; t < tokens; ++t) std::sort(pos.begin() + t * k, pos.begin() + (t + 1) * k);
+  const auto y = experts_on_pairs(x, rows, ends, scale.data(), w13, w2);
+  auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
+  if (x.scalar_type() == torch::kBFloat16) {
+    using T = at::BFloat16;
+    combine<T>(y.data_ptr<T>(), pos.data(), tokens, k, x.size(1), out.data_ptr<T>());
+  } else {
+    combine<float>(y.data_ptr<float>(), pos.data(), tokens, k, x.size(1), out.data_ptr<float>());
+  }
+  return out;
 }

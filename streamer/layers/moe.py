@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from streamer_kernels.grouped_gemm import grouped_mm, moe_experts, moe_experts_packable, pack_experts
+from streamer_kernels.grouped_gemm import grouped_mm, moe_experts_packable, moe_layer, pack_experts, sort_by_expert
 from torch import nn
 
 from streamer.attention.backend import AttentionBackend
@@ -84,16 +84,11 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Sum over each token's experts of weight * expert(x), this rank's share of it."""
-        k = experts.shape[1]
-        flat = experts.flatten()
-        order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert, tokens in order
-        rows = order // k
-        offs = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
-        if self.packed_experts is not None:
-            y = moe_experts(x, rows, offs, self.packed_experts)
-        else:
-            h = self.backend.silu_and_mul(grouped_mm(x[rows], self.w13.transpose(1, 2), offs))
-            y = grouped_mm(h, self.w2.transpose(1, 2), offs)
+        if self.packed_experts is not None:  # the whole of this method in one compiled call
+            return moe_layer(x, weights, experts, self.packed_experts)
+        order, rows, offs = sort_by_expert(experts, self.num_experts)  # pairs grouped by expert, tokens in order
+        h = self.backend.silu_and_mul(grouped_mm(x[rows], self.w13.transpose(1, 2), offs))
+        y = grouped_mm(h, self.w2.transpose(1, 2), offs)
         y = (y * weights.flatten()[order, None]).to(x.dtype)
         # Each token's contributions are added in expert order, as transformers adds them.
         return torch.zeros_like(x).index_add_(0, rows, y)

@@ -1,7 +1,8 @@
 """The compiled experts of a mixture-of-experts layer (csrc/grouped_gemm_cpu.cpp, through
-kernels/grouped_gemm.py: moe_experts over pack_experts' layout) against their definition,
-`moe_experts_ref`, on fresh random inputs: 1 to 8 experts, top 1 to 3, 1 to 512 tokens, experts
-with no tokens, hidden and intermediate sizes with and without whole packed blocks (padding).
+kernels/grouped_gemm.py: moe_experts and moe_layer over pack_experts' layout) against their
+definitions, `moe_experts_ref` and `moe_layer_ref`, on fresh random inputs: 1 to 16 experts, top 1
+to 3, 1 to 512 tokens, experts with no tokens, hidden and intermediate sizes with and without whole
+packed blocks (padding), routing weights in float32 (Mixtral) and in the hidden dtype (Qwen3-MoE).
 
 Tolerance: relative error (norm of the difference over the norm) against the definition in
 float64 on the same inputs. float32: 1e-5. Both the kernel and torch's float32 products sum up to
@@ -10,7 +11,9 @@ sum's rounding error, in each of the two products and the activation between the
 a wrong block, row or expert is an error of order 1. bfloat16: 1e-2. Gate, up, SiLU, h and y are
 each rounded to bfloat16 (2^-9 relative) as the unfused path rounds them, and a float32 sum landing
 on the other side of a rounding boundary moves a value by one ulp: ~4e-3 seen, for the kernel and
-for torch's own bfloat16 computation alike, which the test holds to the same bound."""
+for torch's own bfloat16 computation alike, which the test holds to the same bound. The layer's
+weighted sum is held to more: bit for bit the unfused path's (`index_add_` in the dtype) applied
+to the kernel's own expert rows."""
 
 from __future__ import annotations
 
@@ -18,7 +21,15 @@ import pytest
 import torch
 from kernel_testing import rel_err
 from streamer_kernels.cpu_extension import load
-from streamer_kernels.grouped_gemm import moe_experts, moe_experts_packable, moe_experts_ref, pack_experts
+from streamer_kernels.grouped_gemm import (
+    moe_experts,
+    moe_experts_packable,
+    moe_experts_ref,
+    moe_layer,
+    moe_layer_ref,
+    pack_experts,
+    sort_by_expert,
+)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
@@ -80,3 +91,27 @@ def test_moe_experts_rows_of_idle_experts_are_not_read() -> None:
     w13[2:], w2[2:] = float("nan"), float("nan")
     got = moe_experts(x, rows, offs, pack_experts(w13, w2))
     assert rel_err(got, moe_experts_ref(x[rows].double(), offs, w13.double(), w2.double())) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("weights_dtype", ["float32", "hidden"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_moe_layer_sums_weighted_experts_as_the_unfused_path(shape: tuple[int, ...], dtype: torch.dtype,
+                                                             weights_dtype: str) -> None:
+    if not moe_experts_packable(dtype, torch.device("cpu")):
+        pytest.skip(f"this CPU or torch runs no {dtype} micro-kernels")
+    experts, used, top_k, tokens, hidden, inter = shape
+    x, _, _, w13, w2 = _case(experts, used, top_k, tokens, hidden, inter, dtype, seed=sum(shape) + 1)
+    gen = torch.Generator().manual_seed(len(shape))
+    chosen = torch.stack([torch.randperm(used, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    if weights_dtype == "hidden":  # Qwen3-MoE rounds them to the hidden dtype, Mixtral does not
+        weights = weights.to(dtype)
+    packed = pack_experts(w13, w2)
+    with torch.inference_mode():
+        got = moe_layer(x, weights, chosen, packed)
+        order, rows, offs = sort_by_expert(chosen, experts)
+        y = (moe_experts(x, rows, offs, packed) * weights.flatten()[order, None]).to(dtype)
+        assert torch.equal(got, torch.zeros_like(x).index_add_(0, rows, y))
+    want = moe_layer_ref(x.double(), weights.double(), chosen, w13.double(), w2.double())
+    assert rel_err(got, want) < TOL[dtype]
