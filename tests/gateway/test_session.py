@@ -8,16 +8,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from test_gateway import NAMES, config, done, emit, http_get, recv, send, tokens
+from test_gateway import NAMES, config, done, emit, http_get, recv, send, tokens, wait_jobs
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from workers.gateway import frames
 from workers.gateway.server import running_gateway
+from workers.gateway.session import CLOSE_SLOW_CONSUMER, SLOW_CONSUMER_REASON, Session
 
 MAX_FRAME = 4096 * 64  # above the deepest frame below, so that it is refused for its depth
 DEEP = "[" * 100_000 + "]" * 100_000
@@ -187,3 +189,55 @@ async def test_a_gateway_shutting_down_closes_each_socket_as_going_away(redis_ur
     await ws.close()
     assert closed.value.rcvd is not None
     assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (1001, "gateway shutting down")
+
+
+@pytest.mark.anyio
+async def test_a_generate_without_an_id_gets_one_of_its_own(redis_url: str) -> None:
+    r = aioredis.Redis.from_url(redis_url)
+    async with running_gateway(config(redis_url)) as gw, connect(gw.ws_url) as ws:
+        accepted = await reply_to(ws, {"type": "generate", "prompt": "x"})
+        assert accepted["type"] == "accepted" and re.fullmatch(r"[0-9a-f]{32}", accepted["id"]), accepted
+        assert [job.id for job in await wait_jobs(r, 1)] == [accepted["id"]]
+        # Refused, it names no request: the id picked for it was never seen by the client.
+        reply = await reply_to(ws, {"type": "generate", "prompt": "x", "params": {"temperature": -5}})
+        assert refusal(reply)[:2] == ("invalid_params", None)
+    await r.aclose()
+
+
+class UnreadSocket:
+    """A client that never reads: frames stay in the session's send queue (its writer is not started)."""
+
+    id = "c1"
+
+    def __init__(self) -> None:
+        self.closed: tuple[int, str] | None = None
+
+    async def close(self, code: int, reason: str, timeout_s: float) -> None:
+        self.closed = (code, reason)
+
+
+@pytest.mark.anyio
+async def test_the_send_queue_holds_its_bytes_and_one_more_closes_the_socket(
+        redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="streamer.gateway")
+    async with running_gateway(config(redis_url, send_queue_bytes=10)) as gw:
+        def session(ws: UnreadSocket) -> Session:
+            return Session(ws, gw.config, gw.hub, gw.metrics, gw.limits, grace=None)  # type: ignore[arg-type]
+
+        alone = UnreadSocket()
+        session(alone).send("x" * 20)  # a frame alone in the queue is held whatever its size
+        full = UnreadSocket()
+        s = session(full)
+        s.send("a" * 6)
+        s.send("b" * 4)  # exactly the queue's bytes
+        await asyncio.sleep(0.05)
+        assert (alone.closed, full.closed, gw.metrics.values["slow_consumer_closes_total"]) == (None, None, 0)
+        s.send("c")  # one byte over
+        await asyncio.sleep(0.05)
+        assert full.closed == (CLOSE_SLOW_CONSUMER, SLOW_CONSUMER_REASON)
+        # Closing: what follows is dropped, not queued towards a second overflow.
+        s.send("d")
+        s.send("e" * 10)
+        await asyncio.sleep(0.05)
+        assert gw.metrics.values["slow_consumer_closes_total"] == 1
+    assert caplog.messages.count(f"connection c1: send queue over 10 bytes, closing ({CLOSE_SLOW_CONSUMER})") == 1
