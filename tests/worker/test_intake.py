@@ -43,6 +43,9 @@ async def test_a_read_redis_refuses_is_logged_and_retried(redis_url: str, caplog
         await wait_for(lambda: ended(redis_url, "waits"), timeout=10)
     assert check_complete(read_events(redis_url, "waits"))["type"] == "done"
     assert not any("consumer group missing" in m for m in caplog.messages)
+    # What Redis said, whole (the take script's WRONGTYPE names the script and its line).
+    assert any(re.fullmatch(r"read: Redis refused: WRONGTYPE Operation against a key holding the wrong kind of value "
+                            r"script: \w+, on @user_script:\d+\.", m) for m in caplog.messages)
     # The read's backoff says what failed, and when reads work again, under its own name.
     assert any(m.startswith("read: Redis unavailable (ResponseError: WRONGTYPE") for m in caplog.messages)
     assert any(re.fullmatch(r"read: Redis reachable again after \d+ failed attempt\(s\)", m) for m in caplog.messages)
@@ -90,13 +93,20 @@ async def test_a_lost_group_on_a_shard_is_made_again(redis_url: str, caplog: pyt
             AsyncClient(redis_url, names=names) as client:
         for rid in ids[:3]:
             await client.submit("p", id=rid, params=GREEDY)
-        await wait_for(lambda: ended(redis_url, *ids[:3], names=names), timeout=10)
+        # Served as read (not seconds later by the reclaimer, claim_idle_s 5) and acked where they were read.
+        await wait_for(lambda: ended(redis_url, *ids[:3], names=names), timeout=3)
+        await wait_for(lambda: sum(r.xpending(s, names.group)["pending"] for s in names.request_streams) == 0,
+                       timeout=2)
         r.xgroup_destroy(names.request_streams[0], names.group)
         await wait_for(lambda: any("consumer group missing" in m for m in caplog.messages), timeout=10)
         for rid in ids[3:]:
             await client.submit("p", id=rid, params=GREEDY)
         await wait_for(lambda: ended(redis_url, *ids[3:], names=names), timeout=10)
         assert not worker.stopping
+        # Idle, the read over both shards blocks for block_ms (100 ms): a few reads in half a second.
+        r.config_resetstat()
+        await anyio.sleep(0.5)
+        assert r.info("commandstats").get("cmdstat_xreadgroup", {}).get("calls", 0) <= 20
     assert sorted(c.request_id for c in engine.calls) == ids
     assert "consumer group missing (Redis lost its data?): creating it again" in caplog.messages
     assert not [m for m in caplog.messages if "Redis refused" in m]
