@@ -16,8 +16,34 @@ class Equivalent(NamedTuple):
     why: str
 
 
+_FRAME_ID = "_handle answers with the frame's own id when the error names none: the same id"
+_JSON = "the tenant-renamed event is the same JSON to any reader"
+_DUMPS = 'text = json.dumps({**event, "id": shown}, '
 # Keyed by the module's name in bench/mutation.py's TARGETS.
 EQUIVALENT: dict[str, tuple[Equivalent, ...]] = {
+    "session": (
+        Equivalent("_check_room", "None)", _FRAME_ID),
+        Equivalent("_check_room", ")", _FRAME_ID),
+        Equivalent("_check_room", '"per connection: wait for one to finish or cancel one", None)', _FRAME_ID),
+        Equivalent("_check_room", '"per connection: wait for one to finish or cancel one", )', _FRAME_ID),
+        Equivalent("_resume", '"received; -1 replays from the start)", None)', _FRAME_ID),
+        Equivalent("_resume", '"received; -1 replays from the start)", )', _FRAME_ID),
+        Equivalent("_resume", 'raise ProtocolError("already_finished", f"request {rid!r} finished at seq {last_seq}", '
+                   'None)', _FRAME_ID),
+        Equivalent("_resume", 'raise ProtocolError("already_finished", f"request {rid!r} finished at seq {last_seq}", '
+                   ')', _FRAME_ID),
+        Equivalent("_generate", 'e.request_id = ""', "_handle then falls back to the frame's id, None as well"),
+        Equivalent("_generate", "await self._watch(rid, 0, catch_up=None)  # before the job exists: no token is missed",
+                   "None is falsy, as False"),
+        Equivalent("__init__", "self.closing = None", "None is falsy, as False"),
+        Equivalent("__init__", 'tenant: str = "XXXX") -> None:', "the server always passes the tenant"),
+        Equivalent("run", "await asyncio.gather(return_exceptions=True)", "the tasks are cancelled either way"),
+        Equivalent("_watch", _DUMPS + 'ensure_ascii=None, separators=(",", ":"))', _JSON),
+        Equivalent("_watch", _DUMPS + 'ensure_ascii=False, separators=None)', _JSON),
+        Equivalent("_watch", _DUMPS + 'separators=(",", ":"))', _JSON),
+        Equivalent("_watch", _DUMPS + 'ensure_ascii=False, )', _JSON),
+        Equivalent("_watch", _DUMPS + 'ensure_ascii=True, separators=(",", ":"))', _JSON),
+    ),
 }
 
 
