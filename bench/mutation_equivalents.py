@@ -17,6 +17,7 @@ class Equivalent(NamedTuple):
 
 
 _FRAME_ID = "_handle answers with the frame's own id when the error names none: the same id"
+_SAME_ID = "the refused request's id and the frame's are the same id, or both absent"
 _JSON = "the tenant-renamed event is the same JSON to any reader"
 _DUMPS = 'text = json.dumps({**event, "id": shown}, '
 # Keyed by the module's name in bench/mutation.py's TARGETS.
@@ -32,6 +33,11 @@ EQUIVALENT: dict[str, tuple[Equivalent, ...]] = {
                    'None)', _FRAME_ID),
         Equivalent("_resume", 'raise ProtocolError("already_finished", f"request {rid!r} finished at seq {last_seq}", '
                    ')', _FRAME_ID),
+        Equivalent("_handle", 'return self.error(readable_id(frame), "bad_json", f"frame is not JSON: {e}"[:201])',
+                   "the JSON decoder's messages are far shorter than 200 characters"),
+        Equivalent("_handle", "self.error(self._client_id(e.request_id) and rid, e.code, e.message, extra)", _SAME_ID),
+        Equivalent("_handle", "self.error(self._client_id(e.request_id) and rid, e.code, e.message)", _SAME_ID),
+        Equivalent("_handle", "self.error(self._client_id(None) or rid, e.code, e.message)", _SAME_ID),
         Equivalent("_generate", 'e.request_id = ""', "_handle then falls back to the frame's id, None as well"),
         Equivalent("_generate", "await self._watch(rid, 0, catch_up=None)  # before the job exists: no token is missed",
                    "None is falsy, as False"),
