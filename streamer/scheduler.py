@@ -5,9 +5,9 @@ with their tokens. Decodes (1 token) and prefills (many, chunked when the budget
 requests share a step; a prompt less urgent than other work takes what budget that leaves, and background
 work's (batch lines) only a step without other prompts. When blocks run out, the least urgent running
 sequence (the most recently admitted among equals) is preempted: its blocks are freed and it is
-recomputed later. Waiting sequences more
-urgent than running ones that find no seat or no blocks preempt the least urgent (never of their own or a
-more urgent priority) and are all admitted in that step (preemption.py). The waiting queue orders by
+recomputed later. Waiting sequences more urgent than running ones that find no seat or no blocks preempt
+the least urgent (never of their own or a more urgent priority) and are all admitted in that step
+(preemption.py). The waiting queue orders by
 priority, then by the service the request's session has already had (waiting_queue.py).
 
 One step is `schedule() -> SchedulerOutput`, the model, then `update_from_output(...)`
@@ -32,7 +32,7 @@ from streamer.outputs import PromptProgress
 from streamer.preemption import priority_victims, prompt_priority, waits_for_step, yields_budget
 from streamer.request import Request, SeqStatus, Sequence
 from streamer.scheduler_output import ScheduledSeq, SchedulerOutput, StepUpdates
-from streamer.scheduler_stats import SchedulerStats
+from streamer.scheduler_stats import SchedulerStats, prompt_progress
 from streamer.scheduler_update import StepUpdater
 from streamer.waiting_queue import AttainedService, WaitingQueue
 
@@ -202,8 +202,7 @@ class Scheduler:
         while blocks are short; False when `seq` itself had to go."""
         while not self.block_manager.allocate(seq, num_new):
             victim = self.running.pop()
-            self._preempt(victim)
-            out.preempted.append(victim)
+            self._preempt(victim, out)
             if victim is seq:
                 return False
         return True
@@ -275,8 +274,7 @@ class Scheduler:
         for victim in priority_victims(self.waiting.in_order(), self.running, self.block_manager, c.max_num_seqs,
                                        c.max_num_batched_tokens):
             self.running.remove(victim)
-            self._preempt(victim)
-            out.preempted.append(victim)
+            self._preempt(victim, out)
             self.counters.num_priority_preemptions += 1
 
     def _park_idle(self, out: SchedulerOutput, budget: int) -> None:
@@ -286,13 +284,14 @@ class Scheduler:
         idle = [s for s in self.running if s.num_computed_tokens == s.num_tokens]
         for seq in reversed(idle):
             self.running.remove(seq)
-            self._preempt(seq)
-            out.preempted.append(seq)
+            self._preempt(seq, out)
             self._schedule_waiting(out, budget)
             if out.scheduled:
                 return
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """`seq`, already out of the running list, gives its blocks back and is recorded in `out`."""
+        out.preempted.append(seq)
         idle = seq.num_computed_tokens == seq.num_tokens  # its next token comes from elsewhere
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
@@ -324,14 +323,7 @@ class Scheduler:
         return bool(self.requests)
 
     def prompt_progress(self) -> dict[str, PromptProgress]:
-        """Requests still computing their prompt (or waiting to), by id: for "processing the prompt"
-        displays while a long prompt runs in chunks over many steps."""
-        progress = {}
-        for seq in (*self.running, *self.waiting):
-            if seq.num_computed_tokens < seq.num_prompt_tokens and seq.request_id not in progress:
-                progress[seq.request_id] = PromptProgress(seq.num_computed_tokens, seq.num_prompt_tokens,
-                                                          seq.status is SeqStatus.RUNNING)
-        return progress
+        return prompt_progress((*self.running, *self.waiting))
 
     def admission_capacity(self) -> int:
         """How many more requests can start soon: none while some already wait, and none while

@@ -1,9 +1,13 @@
-"""Counters of the scheduler's work, for `stats()` and benchmarks."""
+"""What the scheduler reports: counters of its work, for `stats()` and benchmarks, and the prompts
+still being computed."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
+from streamer.outputs import PromptProgress
+from streamer.request import SeqStatus, Sequence
 from streamer.scheduler_output import ScheduledSeq
 
 
@@ -49,3 +53,14 @@ class SchedulerStats:
 
     def as_dict(self) -> dict[str, int | list[int]]:
         return asdict(self)
+
+
+def prompt_progress(seqs: Iterable[Sequence]) -> dict[str, PromptProgress]:
+    """Requests still computing their prompt (or waiting to), by id: for "processing the prompt"
+    displays while a long prompt runs in chunks over many steps."""
+    progress = {}
+    for seq in seqs:
+        if seq.num_computed_tokens < seq.num_prompt_tokens and seq.request_id not in progress:
+            progress[seq.request_id] = PromptProgress(seq.num_computed_tokens, seq.num_prompt_tokens,
+                                                      seq.status is SeqStatus.RUNNING)
+    return progress
